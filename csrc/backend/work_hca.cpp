@@ -1,0 +1,74 @@
+#include "work_hca.hpp"
+
+#include <ATen/core/jit_type.h>
+
+namespace hca {
+
+WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body)
+    : c10d::Work(rank, type),
+      outputs_(std::move(outputs)),
+      body_(std::move(body)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void WorkHCA::execute() {
+  std::exception_ptr error;
+  try {
+    body_();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  body_ = nullptr;
+  if (error) {
+    future_->setError(error);
+    finish(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+    finish();
+  }
+}
+
+Executor::Executor() : worker_([this] { loop(); }) {}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  ready_.notify_all();
+  worker_.join();
+}
+
+void Executor::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+  std::unique_lock<std::mutex> running;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!run_inline || unfinished_ > 0) {
+      queue_.push_back(work);
+      ++unfinished_;
+      ready_.notify_one();
+      return;
+    }
+    // Nothing is queued; taken under mutex_, so later submissions run after us.
+    running = std::unique_lock<std::mutex>(running_);
+  }
+  work->execute();
+}
+
+void Executor::loop() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;
+    auto work = std::move(queue_.front());
+    queue_.pop_front();
+    lock.unlock();
+    {
+      std::lock_guard<std::mutex> running(running_);
+      work->execute();
+    }
+    lock.lock();
+    --unfinished_;
+  }
+}
+
+}  // namespace hca

@@ -1,0 +1,104 @@
+#include "plan.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace hca {
+namespace {
+
+const Groups& groups_or_default(const PlanOptions& options, int world, Groups& storage) {
+  if (!options.groups.empty()) return options.groups;
+  storage = default_groups(world);
+  return storage;
+}
+
+Schedule reduce_schedule(const PlanOptions& options, const Groups& groups, int world, int root) {
+  return options.algorithm == Algorithm::ReduceToOneDevice ? one_device_reduce(world, root)
+                                                           : hierarchical_reduce(groups, root);
+}
+
+}  // namespace
+
+void validate(const PlanOptions& options, int world) {
+  if (options.packing.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
+  if (options.packing.agg_small_grads_max_bytes < 0) {
+    throw std::invalid_argument("agg_small_grads_max_bytes: must be >= 0");
+  }
+  if (options.packing.agg_small_grads_max_group < 0) {
+    throw std::invalid_argument("agg_small_grads_max_group: must be >= 0");
+  }
+  if (options.reduce_to_device < -1 || options.reduce_to_device >= world) {
+    throw std::invalid_argument("reduce_to_device: " + std::to_string(options.reduce_to_device) +
+                                " is outside the group of " + std::to_string(world) + " ranks");
+  }
+  if (!options.groups.empty()) validate_groups(options.groups, world);
+}
+
+std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int world, const PlanOptions& options) {
+  Groups storage;
+  const Groups& groups = groups_or_default(options, world, storage);
+  std::vector<PackPlan> plan;
+  for (auto& pack : make_packs(tensors, options.packing)) {
+    Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
+                            ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
+                            : hierarchical_allreduce(groups, world, pack.index);
+    plan.push_back({std::move(pack), std::move(schedule)});
+  }
+  return plan;
+}
+
+std::vector<PackPlan> plan_reduce(const std::vector<TensorDesc>& tensors, int world, int root,
+                                  const PlanOptions& options) {
+  Groups storage;
+  const Groups& groups = groups_or_default(options, world, storage);
+  std::vector<PackPlan> plan;
+  for (auto& pack : make_packs(tensors, options.packing)) {
+    plan.push_back({std::move(pack), reduce_schedule(options, groups, world, root)});
+  }
+  return plan;
+}
+
+std::vector<PackPlan> plan_broadcast(const std::vector<TensorDesc>& tensors, int world, int src) {
+  std::vector<PackPlan> plan;
+  for (auto& pack : make_packs(tensors, PackingOptions{0, 0, 0})) {
+    plan.push_back({std::move(pack), broadcast_schedule(world, src)});
+  }
+  return plan;
+}
+
+std::vector<PackPlan> plan_allgather(const TensorDesc& each, int world) {
+  std::vector<PackPlan> plan;
+  if (each.numel == 0) return plan;
+  for (int j = 0; j < world; ++j) {
+    Pack pack{static_cast<size_t>(j), each.dtype, each.numel, {{static_cast<size_t>(j), 0, each.numel}}};
+    plan.push_back({std::move(pack), broadcast_schedule(world, j)});
+  }
+  return plan;
+}
+
+std::vector<PackPlan> plan_reduce_scatter(const TensorDesc& each, int world, const PlanOptions& options) {
+  Groups storage;
+  const Groups& groups = groups_or_default(options, world, storage);
+  std::vector<PackPlan> plan;
+  if (each.numel == 0) return plan;
+  for (int j = 0; j < world; ++j) {
+    Pack pack{static_cast<size_t>(j), each.dtype, each.numel, {{static_cast<size_t>(j), 0, each.numel}}};
+    plan.push_back({std::move(pack), reduce_schedule(options, groups, world, j)});
+  }
+  return plan;
+}
+
+std::string explain(const std::vector<PackPlan>& plan) {
+  std::ostringstream out;
+  for (const auto& [pack, schedule] : plan) {
+    out << "pack " << pack.index << " (" << pack.numel << " x " << dtype_name(pack.dtype) << ", tensors";
+    for (const auto& seg : pack.segments) {
+      out << " " << seg.tensor << "[" << seg.offset << ":" << seg.offset + seg.numel << "]";
+    }
+    out << ")\n" << describe(schedule);
+  }
+  return out.str();
+}
+
+}  // namespace hca

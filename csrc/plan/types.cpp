@@ -1,0 +1,60 @@
+#include "types.h"
+
+#include <stdexcept>
+
+namespace hca {
+
+size_t element_size(DType dtype) {
+  switch (dtype) {
+    case DType::F64: case DType::I64: return 8;
+    case DType::F32: case DType::I32: return 4;
+    case DType::F16: case DType::BF16: return 2;
+    case DType::I8: case DType::U8: case DType::Bool: return 1;
+  }
+  throw std::logic_error("unknown dtype");
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::F32: return "float32";
+    case DType::F64: return "float64";
+    case DType::F16: return "float16";
+    case DType::BF16: return "bfloat16";
+    case DType::I8: return "int8";
+    case DType::U8: return "uint8";
+    case DType::I32: return "int32";
+    case DType::I64: return "int64";
+    case DType::Bool: return "bool";
+  }
+  return "?";
+}
+
+const char* op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "SUM";
+    case ReduceOp::Avg: return "AVG";
+    case ReduceOp::Product: return "PRODUCT";
+    case ReduceOp::Min: return "MIN";
+    case ReduceOp::Max: return "MAX";
+  }
+  return "?";
+}
+
+const char* algorithm_name(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::HierarchicalCopy: return "hierarchical_copy";
+    case Algorithm::ReduceToOneDevice: return "reduce_to_one_device";
+    case Algorithm::Nccl: return "nccl";
+  }
+  return "?";
+}
+
+Algorithm parse_algorithm(const std::string& name) {
+  for (Algorithm a : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice, Algorithm::Nccl}) {
+    if (name == algorithm_name(a)) return a;
+  }
+  throw std::invalid_argument("algorithm: unknown algorithm '" + name +
+                              "' (expected hierarchical_copy, reduce_to_one_device or nccl)");
+}
+
+}  // namespace hca

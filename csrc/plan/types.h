@@ -1,0 +1,22 @@
+// Vocabulary shared by the plan and every transport: element types, reduce
+// operations and the algorithms. Pure C++ (no torch), so the plan can be
+// unit-tested and reused by any medium.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace hca {
+
+enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool };
+enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max };
+enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice, Nccl };
+
+size_t element_size(DType dtype);
+const char* dtype_name(DType dtype);
+const char* op_name(ReduceOp op);
+const char* algorithm_name(Algorithm algorithm);
+// Throws std::invalid_argument naming the option for an unknown name.
+Algorithm parse_algorithm(const std::string& name);
+
+}  // namespace hca

@@ -1,0 +1,160 @@
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+
+namespace hca::shm {
+namespace {
+
+float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// IEEE binary16 <-> binary32, round to nearest even.
+struct Half {
+  uint16_t bits;
+  static float load(Half h) {
+    const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000) << 16;
+    const uint32_t exp = (h.bits >> 10) & 0x1f, mant = h.bits & 0x3ff;
+    if (exp == 0x1f) return bits_to_float(sign | 0x7f800000 | (mant << 13));
+    if (exp == 0) {
+      const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;  // mant * 2^-24
+      return sign ? -f : f;
+    }
+    return bits_to_float(sign | ((exp + 112) << 23) | (mant << 13));
+  }
+  static Half store(float f) {
+    uint32_t x = float_to_bits(f);
+    const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+    x &= 0x7fffffff;
+    if (x >= 0x7f800000) return {static_cast<uint16_t>(sign | 0x7c00 | (x > 0x7f800000 ? 0x200 : 0))};
+    if (x >= 0x477ff000) return {static_cast<uint16_t>(sign | 0x7c00)};  // rounds past 65504
+    if (x < 0x38800000) {  // half subnormal: count units of 2^-24
+      return {static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(bits_to_float(x) * 16777216.0f)))};
+    }
+    x += 0xc8000fffu + ((x >> 13) & 1);  // rebias the exponent by -112, round to nearest even
+    return {static_cast<uint16_t>(sign | (x >> 13))};
+  }
+};
+
+struct BFloat16 {
+  uint16_t bits;
+  static float load(BFloat16 h) { return bits_to_float(static_cast<uint32_t>(h.bits) << 16); }
+  static BFloat16 store(float f) {
+    const uint32_t x = float_to_bits(f);
+    if ((x & 0x7fffffff) > 0x7f800000) return {static_cast<uint16_t>((x >> 16) | 0x40)};  // quiet NaN
+    return {static_cast<uint16_t>((x + 0x7fff + ((x >> 16) & 1)) >> 16)};
+  }
+};
+
+// Storage type T, accumulated as Acc.
+template <class T>
+struct Traits {
+  using Acc = T;
+  static Acc load(T v) { return v; }
+  static T store(Acc v) { return v; }
+};
+template <>
+struct Traits<Half> {
+  using Acc = float;
+  static float load(Half v) { return Half::load(v); }
+  static Half store(float v) { return Half::store(v); }
+};
+template <>
+struct Traits<BFloat16> {
+  using Acc = float;
+  static float load(BFloat16 v) { return BFloat16::load(v); }
+  static BFloat16 store(float v) { return BFloat16::store(v); }
+};
+
+struct Add { template <class A> static A apply(A a, A b) { return a + b; } };
+struct Mul { template <class A> static A apply(A a, A b) { return a * b; } };
+struct Min { template <class A> static A apply(A a, A b) { return b < a ? b : a; } };
+struct Max { template <class A> static A apply(A a, A b) { return a < b ? b : a; } };
+
+// Blocks keep the accumulator in registers/L1 and let the compiler vectorize.
+constexpr size_t kBlock = 1024;
+
+template <class T, class Op>
+void reduce_typed(T* dst, const T* const* srcs, size_t nsrc, size_t n) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  Acc acc[kBlock];
+  for (size_t base = 0; base < n; base += kBlock) {
+    const size_t len = std::min(kBlock, n - base);
+    for (size_t i = 0; i < len; ++i) acc[i] = Tr::load(dst[base + i]);
+    for (size_t s = 0; s < nsrc; ++s) {
+      const T* src = srcs[s] + base;
+      for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], Tr::load(src[i]));
+    }
+    for (size_t i = 0; i < len; ++i) dst[base + i] = Tr::store(acc[i]);
+  }
+}
+
+template <class T>
+void reduce_op(ReduceOp op, void* dst, const void* const* srcs, size_t nsrc, size_t n) {
+  auto d = static_cast<T*>(dst);
+  auto s = reinterpret_cast<const T* const*>(srcs);
+  switch (op) {
+    case ReduceOp::Sum: case ReduceOp::Avg: return reduce_typed<T, Add>(d, s, nsrc, n);
+    case ReduceOp::Product: return reduce_typed<T, Mul>(d, s, nsrc, n);
+    case ReduceOp::Min: return reduce_typed<T, Min>(d, s, nsrc, n);
+    case ReduceOp::Max: return reduce_typed<T, Max>(d, s, nsrc, n);
+  }
+}
+
+template <class T>
+void scale_typed(void* dst, const void* src, size_t n, int divisor) {
+  using Tr = Traits<T>;
+  using Acc = typename Tr::Acc;
+  auto d = static_cast<T*>(dst);
+  auto s = static_cast<const T*>(src);
+  const Acc div = static_cast<Acc>(divisor);
+  for (size_t i = 0; i < n; ++i) d[i] = Tr::store(Tr::load(s[i]) / div);
+}
+
+}  // namespace
+
+void reduce_into(DType dtype, ReduceOp op, void* dst, const void* const* srcs, size_t nsrc, size_t n) {
+  switch (dtype) {
+    case DType::F32: return reduce_op<float>(op, dst, srcs, nsrc, n);
+    case DType::F64: return reduce_op<double>(op, dst, srcs, nsrc, n);
+    case DType::F16: return reduce_op<Half>(op, dst, srcs, nsrc, n);
+    case DType::BF16: return reduce_op<BFloat16>(op, dst, srcs, nsrc, n);
+    case DType::I8: return reduce_op<int8_t>(op, dst, srcs, nsrc, n);
+    case DType::U8: return reduce_op<uint8_t>(op, dst, srcs, nsrc, n);
+    case DType::I32: return reduce_op<int32_t>(op, dst, srcs, nsrc, n);
+    case DType::I64: return reduce_op<int64_t>(op, dst, srcs, nsrc, n);
+    case DType::Bool: {
+      const bool any = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Max;
+      return reduce_op<uint8_t>(any ? ReduceOp::Max : ReduceOp::Min, dst, srcs, nsrc, n);
+    }
+  }
+}
+
+void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) {
+  if (divisor == 1) {
+    if (dst != src) std::memcpy(dst, src, n * element_size(dtype));
+    return;
+  }
+  switch (dtype) {
+    case DType::F32: return scale_typed<float>(dst, src, n, divisor);
+    case DType::F64: return scale_typed<double>(dst, src, n, divisor);
+    case DType::F16: return scale_typed<Half>(dst, src, n, divisor);
+    case DType::BF16: return scale_typed<BFloat16>(dst, src, n, divisor);
+    default: throw std::invalid_argument(std::string("AVG is not supported for ") + dtype_name(dtype));
+  }
+}
+
+}  // namespace hca::shm

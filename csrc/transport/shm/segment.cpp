@@ -1,0 +1,90 @@
+#include "segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <thread>
+
+namespace hca::shm {
+namespace {
+
+std::string hostname() {
+  char name[256] = {0};
+  gethostname(name, sizeof(name) - 1);
+  return name;
+}
+
+std::string fresh_name() {
+  std::random_device rd;
+  char name[64];
+  snprintf(name, sizeof(name), "/torch_hca_%d_%08x%08x", static_cast<int>(getpid()), rd(), rd());
+  return name;
+}
+
+[[noreturn]] void fail(const std::string& what, int err) {
+  throw std::runtime_error("hca shared memory: " + what + ": " + std::strerror(err));
+}
+
+char* map(int fd, size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) fail("mmap", errno);
+  return static_cast<char*>(p);
+}
+
+}  // namespace
+
+SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t bytes, int timeout_ms) : bytes_(bytes) {
+  const std::string host = hostname();
+  if (rank == 0) {
+    const std::string name = fresh_name();
+    int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) fail("shm_open " + name, errno);
+    // Reserve the pages now: a full /dev/shm fails here, not with SIGBUS later.
+    int err = ftruncate(fd, static_cast<off_t>(bytes)) ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (err) {
+      close(fd);
+      shm_unlink(name.c_str());
+      fail("reserving " + std::to_string(bytes) + " bytes in /dev/shm", err);
+    }
+    base_ = map(fd, bytes);
+    close(fd);
+    rendezvous.set("hca_shm", host + "\n" + name);
+    // Wait for every other rank to attach, then drop the name.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (rendezvous.add("hca_shm_attached", 0) < world - 1) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        shm_unlink(name.c_str());
+        munmap(base_, bytes_);
+        throw std::runtime_error("hca shared memory: not every rank attached to " + name + " within " +
+                                 std::to_string(timeout_ms) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    shm_unlink(name.c_str());
+  } else {
+    const std::string published = rendezvous.get("hca_shm");
+    const size_t cut = published.find('\n');
+    const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);
+    if (owner_host != host) {
+      throw std::runtime_error("hca: rank 0 runs on host '" + owner_host + "' and rank " + std::to_string(rank) +
+                               " on '" + host + "'; the shared-memory transport serves ranks of one node only");
+    }
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd < 0) fail("shm_open " + name, errno);
+    base_ = map(fd, bytes);
+    close(fd);
+    rendezvous.add("hca_shm_attached", 1);
+  }
+}
+
+SharedSegment::~SharedSegment() {
+  if (base_) munmap(base_, bytes_);
+}
+
+}  // namespace hca::shm

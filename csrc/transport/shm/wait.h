@@ -1,0 +1,67 @@
+// Waiting for another rank's progress word: spin briefly, then yield, then
+// sleep with growing pauses, so ranks that outnumber cores back off instead of
+// spinning a core away. Every wait has a deadline and notices a dead peer.
+#pragma once
+#include <sched.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+namespace hca::shm {
+
+using Clock = std::chrono::steady_clock;
+
+struct WaitContext {
+  Clock::time_point deadline;
+  std::string operation;  // for messages, e.g. "allreduce #12 (numel=...)"
+  std::chrono::milliseconds timeout;
+};
+
+// Throws std::runtime_error naming the operation and the rank.
+[[noreturn]] void throw_timeout(const WaitContext& ctx, int peer);
+[[noreturn]] void throw_dead(const WaitContext& ctx, int peer, int pid);
+// False once the process is gone or a zombie.
+bool process_alive(int pid);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+template <class Ready>
+void wait_for(Ready ready, const WaitContext& ctx, int peer, int peer_pid) {
+  for (int i = 0; i < 256; ++i) {
+    if (ready()) return;
+    cpu_relax();
+  }
+  const auto start = Clock::now();
+  auto next_liveness_check = start + std::chrono::milliseconds(50);
+  while (!ready()) {
+    const auto now = Clock::now();
+    const auto waited = now - start;
+    if (waited < std::chrono::microseconds(20)) {
+      cpu_relax();
+    } else if (waited < std::chrono::microseconds(300)) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::min<Clock::duration>(waited / 8, std::chrono::microseconds(500)));
+    }
+    if (now > next_liveness_check) {
+      if (!process_alive(peer_pid)) {
+        if (ready()) return;
+        throw_dead(ctx, peer, peer_pid);
+      }
+      next_liveness_check = now + std::chrono::milliseconds(50);
+    }
+    if (now > ctx.deadline) {
+      if (ready()) return;
+      throw_timeout(ctx, peer);
+    }
+  }
+}
+
+}  // namespace hca::shm

@@ -1,0 +1,20 @@
+"""torch_hca: TensorFlow's hierarchical-copy cross-device reductions as the c10d backend "hca".
+
+    import torch_hca, torch.distributed as dist
+    dist.init_process_group("hca", pg_options=torch_hca.Options(num_packs=2))
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401
+from .backend import BACKEND_NAME, create_backend, register
+from .collectives import batch_allreduce
+from .cross_device_ops import HierarchicalCopyAllReduce, ReductionToOneDevice
+from .explain import Plan, explain
+from .options import Options
+
+register()
+
+__all__ = [
+    "BACKEND_NAME", "Options", "Plan", "explain", "batch_allreduce", "create_backend",
+    "HierarchicalCopyAllReduce", "ReductionToOneDevice",
+]

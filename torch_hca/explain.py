@@ -1,0 +1,80 @@
+"""`torch_hca.explain`: the plan of a collective, as data and as text.
+
+    python -m torch_hca.explain 8 --num-packs 2
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import List, Optional, Sequence
+
+from . import _C
+from .options import Options
+
+
+@dataclasses.dataclass
+class Plan:
+    """packs: one dict per pack (index, dtype, numel, segments, steps, result_ranks);
+    each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy"."""
+
+    packs: List[dict]
+    text: str
+
+    def leaders(self) -> List[int]:
+        """The rank that ends each pack's reduction (the last reduce edge's destination)."""
+        out = []
+        for pack in self.packs:
+            reduces = [dst for step in pack["steps"] for kind, _, dst in step if kind == "reduce"]
+            out.append(reduces[-1] if reduces else pack["result_ranks"][0])
+        return out
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def explain(
+    world_size: int,
+    algorithm: str = "hierarchical_copy",
+    num_packs: int = 1,
+    groups: Optional[Sequence[Sequence[int]]] = None,
+    reduce_to_device: Optional[int] = None,
+    numels: Sequence[int] = (1024,),
+    collective: str = "allreduce",
+    root: int = 0,
+    agg_small_grads_max_bytes: int = 0,
+    agg_small_grads_max_group: int = 10,
+    verbose: bool = False,
+) -> Plan:
+    """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
+    who reduces or copies which elements into whom, step by step. Prints it if verbose."""
+    options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
+                      agg_small_grads_max_group)
+    packs, text = _C.plan(
+        collective, world_size, [int(n) for n in numels], options.algorithm, options.num_packs,
+        -1 if options.reduce_to_device is None else options.reduce_to_device,
+        [list(g) for g in options.groups or ()], options.agg_small_grads_max_bytes,
+        options.agg_small_grads_max_group, root)
+    plan = Plan(list(packs), text)
+    if verbose:
+        print(plan)
+    return plan
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("--algorithm", default="hierarchical_copy")
+    parser.add_argument("--num-packs", type=int, default=1)
+    parser.add_argument("--groups", help='e.g. "0,1,2,3;4,5,6,7"')
+    parser.add_argument("--reduce-to-device", type=int)
+    parser.add_argument("--numels", default="1024", help="comma-separated tensor sizes")
+    parser.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce", "broadcast"])
+    parser.add_argument("--root", type=int, default=0)
+    args = parser.parse_args(argv)
+    groups = [[int(r) for r in g.split(",")] for g in args.groups.split(";")] if args.groups else None
+    explain(args.world_size, args.algorithm, args.num_packs, groups, args.reduce_to_device,
+            [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True)
+
+
+if __name__ == "__main__":
+    main()

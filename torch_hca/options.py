@@ -1,0 +1,95 @@
+"""Options of the `hca` backend, from `pg_options=Options(...)` or `TORCH_HCA_*` variables."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional, Sequence
+
+ALGORITHMS = ("hierarchical_copy", "reduce_to_one_device", "nccl")
+ENV_PREFIX = "TORCH_HCA_"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How `hca` reduces. Checked here for what needs no world size; the world-dependent
+    checks (`reduce_to_device`, `groups`) run when the process group is created.
+
+    algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl".
+    num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
+    reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
+        of `reduce`, else rank 0).
+    groups: the hierarchy's groups of ranks, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (None: two halves).
+    agg_small_grads_max_bytes / agg_small_grads_max_group: with num_packs=0, tensors smaller than
+        max_bytes are aggregated into packs of at most max_group tensors.
+    """
+
+    algorithm: str = "hierarchical_copy"
+    num_packs: int = 1
+    reduce_to_device: Optional[int] = None
+    groups: Optional[Sequence[Sequence[int]]] = None
+    agg_small_grads_max_bytes: int = 0
+    agg_small_grads_max_group: int = 10
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r} (expected one of {', '.join(ALGORITHMS)})")
+        _check_int("num_packs", self.num_packs, "HierarchicalCopy requires num_packs >= 0")
+        _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, "must be >= 0")
+        _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group, "must be >= 0")
+        if self.reduce_to_device is not None:
+            _check_int("reduce_to_device", self.reduce_to_device, "must be a rank (>= 0)")
+        if self.groups is not None:
+            groups = tuple(tuple(g) for g in self.groups)
+            if not groups or any(not g for g in groups):
+                raise ValueError(f"groups: every group needs at least one rank, got {self.groups!r}")
+            for rank in (r for g in groups for r in g):
+                _check_int("groups", rank, "ranks must be >= 0")
+            object.__setattr__(self, "groups", groups)
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Options":
+        """Options from TORCH_HCA_ALGORITHM, _NUM_PACKS, _REDUCE_TO_DEVICE, _GROUPS ("0,1;2,3"),
+        _AGG_SMALL_GRADS_MAX_BYTES and _AGG_SMALL_GRADS_MAX_GROUP; unset ones take the defaults."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field in dataclasses.fields(cls):
+            name = ENV_PREFIX + field.name.upper()
+            text = environ.get(name)
+            if text is None or text.strip() == "":
+                continue
+            try:
+                values[field.name] = _parse(field.name, text.strip())
+            except ValueError as e:
+                raise ValueError(f"{name}={text!r}: {e}") from None
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"from the environment: {e}") from None
+
+
+def _check_int(name, value, rule):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}: {rule}, got {value}")
+
+
+def _parse(field, text):
+    if field == "algorithm":
+        return text
+    if field == "groups":
+        return [[int(r) for r in group.split(",")] for group in text.split(";")]
+    return int(text)
+
+
+def shm_chunk_bytes(environ=None) -> int:
+    """Bytes of one staging half per rank (TORCH_HCA_SHM_CHUNK_BYTES, default 1 MiB)."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(ENV_PREFIX + "SHM_CHUNK_BYTES", "")
+    try:
+        value = int(text) if text.strip() else 1 << 20
+    except ValueError:
+        raise ValueError(f"TORCH_HCA_SHM_CHUNK_BYTES={text!r}: expected an int") from None
+    if value < 4096:
+        raise ValueError(f"TORCH_HCA_SHM_CHUNK_BYTES={text!r}: must be >= 4096")
+    return value
