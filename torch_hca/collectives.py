@@ -5,11 +5,24 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 
 def batch_allreduce(tensors: Sequence[torch.Tensor], op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
-    """All-reduces `tensors` in place as one packed batch (hca packs them by its options)."""
+    """All-reduces `tensors` in place as one batch, packed by the group's hca options
+    (tensors of several dtypes may be mixed: packs never mix them). Returns a Work if async_op."""
     tensors = list(tensors)
     if not tensors:
         raise ValueError("batch_allreduce: `tensors` is empty")
-    return dist.all_reduce_coalesced(tensors, op=op, group=group, async_op=async_op)
+    group = group or c10d._get_default_group()
+    backend = group._get_backend(tensors[0].device)
+    if backend.name() != "hca":
+        raise ValueError(f"batch_allreduce: the group's backend for {tensors[0].device} is {backend.name()}, not hca")
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = op
+    opts.asyncOp = async_op
+    work = backend.allreduce_coalesced(tensors, opts)
+    if async_op:
+        return work
+    work.wait()
+    return None

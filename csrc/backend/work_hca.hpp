@@ -17,6 +17,9 @@ class WorkHCA : public c10d::Work {
  public:
   WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  // The Future completes first; these follow it, so a Future waiter sees a completed Work.
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::vector<at::Tensor> result() override { return outputs_; }
   // Runs the body and completes the Work and its Future (with the error, if any).
   void execute();

@@ -1,0 +1,65 @@
+"""Runs a function on N ranks, each a spawned process in an `hca` (or other) process group."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results):
+    os.environ.update(env or {})
+    try:
+        import torch.distributed as dist
+
+        import torch_hca  # noqa: F401  registers "hca"
+
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                                pg_options=pg_options, timeout=timedelta(seconds=timeout_s))
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001  every failure goes back to the test
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, pg_timeout_s=60.0,
+              deadline_s=240.0, allow_missing=()):
+    """Returns [fn's value on rank 0, ..., rank N-1]; raises RankFailed with the tracebacks
+    of failed ranks. Ranks in `allow_missing` may die without a result (value None)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, env, pg_timeout_s,
+                                                  args, results), daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        got, deadline = {}, time.monotonic() + deadline_s
+        while len(got) < world_size and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                got[rank] = (status, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()) if len(got) == world_size else 1.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
+    missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
+    if errors or missing:
+        raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} (hung or died)" if missing else ""))
+    return [got[r][1] if r in got else None for r in range(world_size)]

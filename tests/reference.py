@@ -1,0 +1,74 @@
+"""Seeded inputs for every rank and float64 references computed from them, independently of hca."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool]
+FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
+       "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
+
+
+def supported(dtype, op):
+    return op != "AVG" or dtype in FLOATS
+
+
+def make_input(case, rank, numel, dtype, op):
+    """Random non-zero data, in ranges where every op stays exact or representable."""
+    g = torch.Generator().manual_seed(case * 7919 + rank)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g).bool()
+    if dtype in FLOATS:
+        if op == "PRODUCT":
+            x = torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
+        else:
+            x = torch.randn(numel, generator=g, dtype=torch.float64) * 3
+        return x.to(dtype)
+    lo, hi = (1, 3) if op == "PRODUCT" else (-20 if dtype != torch.uint8 else 1, 21)
+    return torch.randint(lo, hi, (numel,), generator=g).to(dtype)
+
+
+def reduce_reference(inputs, op):
+    """float64 reduction of the ranks' inputs, cast back to their dtype."""
+    dtype = inputs[0].dtype
+    x = torch.stack([t.to(torch.float64) for t in inputs])
+    if op == "SUM":
+        r = x.sum(0)
+    elif op == "AVG":
+        r = x.mean(0)
+    elif op == "PRODUCT":
+        r = x.prod(0)
+    elif op == "MIN":
+        r = x.min(0).values
+    else:
+        r = x.max(0).values
+    if dtype == torch.bool:
+        return r != 0
+    return r.to(dtype)
+
+
+def tolerance(dtype, world_size):
+    if dtype == torch.float16:
+        return dict(rtol=2e-3, atol=2e-3 * world_size)
+    if dtype == torch.bfloat16:
+        return dict(rtol=1.6e-2, atol=1.6e-2 * world_size)
+    if dtype == torch.float32:
+        return dict(rtol=1e-5, atol=1e-5 * world_size)
+    if dtype == torch.float64:
+        return dict(rtol=1e-12, atol=1e-12)
+    return dict(rtol=0, atol=0)
+
+
+def mismatch(name, got, want, world_size):
+    """None if every element of `got` matches `want`, else a description."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+    tol = tolerance(want.dtype, world_size)
+    a, b = got.to(torch.float64), want.to(torch.float64)
+    bad = ~torch.isclose(a, b, **tol) if tol["rtol"] or tol["atol"] else a != b
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        return f"{name}: {int(bad.sum())} of {got.numel()} elements differ, first at {i}: got {a[i].item()} want {b[i].item()}"
+    return None

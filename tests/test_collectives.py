@@ -1,0 +1,159 @@
+"""Every collective on CPU tensors, world sizes 1-4, against float64 references."""
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import run_ranks
+from reference import DTYPES, FLOATS, OPS, make_input, mismatch, reduce_reference, supported
+
+WORLD_SIZES = [1, 2, 3, 4]
+# Small staging halves, so that the larger cases go through many rounds.
+SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}
+CONFIGS = {
+    "hierarchical_copy": [dict(num_packs=n) for n in (0, 1, 2, 7, 5000)],
+    "reduce_to_one_device": [dict(), dict(reduce_to_device=-1)],  # -1: the last rank
+}
+SIZES = [1, 13, 1000]
+BIG = 70_001  # > 65536 bytes for every dtype wider than one byte
+
+
+def _options(algorithm, config, world):
+    config = dict(config)
+    if config.get("reduce_to_device") == -1:
+        config["reduce_to_device"] = world - 1
+    return torch_hca.Options(algorithm, **config)
+
+
+def _digest(t):
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _allreduce_matrix(rank, world, algorithm):
+    errors, digests, case = [], {}, 0
+    for config in CONFIGS[algorithm]:
+        group = dist.new_group(backend="hca", pg_options=_options(algorithm, config, world))
+        for dtype in DTYPES:
+            for op in OPS:
+                if not supported(dtype, op):
+                    continue
+                sizes = SIZES + ([BIG] if dtype in (torch.float32, torch.bfloat16, torch.int64) else [])
+                for numel in sizes:
+                    case += 1
+                    inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, op=OPS[op], group=group)
+                    name = f"{config} {dtype} {op} numel={numel}"
+                    errors.append(mismatch(name, t, reduce_reference(inputs, op), world))
+                    digests[name] = _digest(t)
+    return [e for e in errors if e], digests
+
+
+@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_allreduce_every_op_dtype_and_packing(world, algorithm):
+    results = run_ranks(_allreduce_matrix, world, algorithm, env=SMALL_CHUNKS)
+    for errors, _ in results:
+        assert errors == []
+    # Everybody copies the leader's result: all ranks hold the same bits.
+    assert all(digests == results[0][1] for _, digests in results)
+
+
+def _batch(rank, world):
+    """A packed batch of mixed dtypes and sizes, zero-element tensors included."""
+    errors = []
+    specs = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.bfloat16, 1001), (torch.float32, 5),
+             (torch.float64, 40_000), (torch.int32, 1)]
+    for case, num_packs in enumerate([0, 1, 3, 100]):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=num_packs))
+        inputs = [[make_input(100 + case * 10 + i, r, n, d, "SUM") for i, (d, n) in enumerate(specs)]
+                  for r in range(world)]
+        mine = [t.clone() for t in inputs[rank]]
+        torch_hca.batch_allreduce(mine, group=group)
+        for i, t in enumerate(mine):
+            want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")
+            errors.append(mismatch(f"num_packs={num_packs} tensor {i}", t, want, world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_batch_allreduce_mixed_dtypes(world):
+    assert run_ranks(_batch, world, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _rooted(rank, world):
+    """broadcast from every src, reduce to every dst, allgather, reduce_scatter, barrier."""
+    errors, case = [], 1000
+    for algorithm in ("hierarchical_copy", "reduce_to_one_device"):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+        for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
+            for numel in (1, 1001, BIG):
+                for root in range(world):
+                    case += 2
+                    inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+                    t = inputs[rank].clone()
+                    dist.broadcast(t, src=root, group=group)
+                    errors.append(mismatch(f"broadcast {algorithm} {dtype} {numel} src={root}", t, inputs[root], world))
+                    op = "MAX" if dtype == torch.bool else "SUM"
+                    t = inputs[rank].clone()
+                    dist.reduce(t, dst=root, op=OPS[op], group=group)
+                    want = reduce_reference(inputs, op) if rank == root else inputs[rank]
+                    errors.append(mismatch(f"reduce {algorithm} {dtype} {numel} dst={root}", t, want, world))
+                outs = [torch.empty(numel, dtype=dtype) for _ in range(world)]
+                dist.all_gather(outs, inputs[rank], group=group)
+                for r in range(world):
+                    errors.append(mismatch(f"all_gather {dtype} {numel} from {r}", outs[r], inputs[r], world))
+                flat = torch.empty(numel * world, dtype=dtype)
+                dist.all_gather_into_tensor(flat, inputs[rank], group=group)
+                errors.append(mismatch(f"all_gather_into_tensor {dtype} {numel}", flat, torch.cat(inputs), world))
+                if dtype in FLOATS:
+                    big = [make_input(case + 1, r, numel * world, dtype, "SUM") for r in range(world)]
+                    out = torch.empty(numel, dtype=dtype)
+                    dist.reduce_scatter_tensor(out, big[rank], op=dist.ReduceOp.AVG, group=group)
+                    want = reduce_reference(big, "AVG")[rank * numel:(rank + 1) * numel]
+                    errors.append(mismatch(f"reduce_scatter_tensor {dtype} {numel}", out, want, world))
+        dist.barrier(group=group)
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_broadcast_reduce_allgather_reduce_scatter(world):
+    assert run_ranks(_rooted, world, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _odd_shapes(rank, world):
+    """Non-contiguous views, multi-dimensional, zero-element and async use with futures."""
+    errors = []
+    base = [make_input(5, r, 6 * 7, torch.float32, "SUM").reshape(6, 7) for r in range(world)]
+    view = base[rank].clone().t()  # non-contiguous
+    dist.all_reduce(view)
+    errors.append(mismatch("transposed view", view, reduce_reference([b.t() for b in base], "SUM"), world))
+    empty = torch.empty(0, 3)
+    dist.all_reduce(empty)
+    errors.append(None if empty.shape == (0, 3) else "empty tensor changed shape")
+    works, tensors = [], []
+    for i in range(5):
+        t = make_input(50 + i, rank, 333, torch.float64, "SUM")
+        tensors.append(t)
+        works.append(dist.all_reduce(t, async_op=True))
+    futures = [w.get_future() for w in works]
+    torch.futures.wait_all(futures)
+    for i, (w, f) in enumerate(zip(works, futures)):
+        want = reduce_reference([make_input(50 + i, r, 333, torch.float64, "SUM") for r in range(world)], "SUM")
+        errors.append(mismatch(f"async {i}", tensors[i], want, world))
+        errors.append(mismatch(f"future value {i}", f.value()[0], want, world))
+        errors.append(None if w.is_completed() and w.wait() else f"work {i} not completed")
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank, "name": "x" * rank})
+    errors.append(None if objects == [{"rank": r, "name": "x" * r} for r in range(world)] else f"objects {objects}")
+    box = [{"from": rank}] if rank == world - 1 else [None]
+    dist.broadcast_object_list(box, src=world - 1)
+    errors.append(None if box == [{"from": world - 1}] else f"broadcast_object_list {box}")
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_views_empty_async_and_objects(world):
+    assert run_ranks(_odd_shapes, world) == [[]] * world
