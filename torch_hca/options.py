@@ -34,7 +34,7 @@ class Options:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r} (expected one of {', '.join(ALGORITHMS)})")
         _check_int("num_packs", self.num_packs, "HierarchicalCopy requires num_packs >= 0")
-        _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, "must be >= 0")
+        _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, "must be >= 0", limit=2**63 - 1)
         _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group, "must be >= 0")
         if self.reduce_to_device is not None:
             _check_int("reduce_to_device", self.reduce_to_device, "must be a rank (>= 0)")
@@ -67,11 +67,13 @@ class Options:
             raise ValueError(f"from the environment: {e}") from None
 
 
-def _check_int(name, value, rule):
+def _check_int(name, value, rule, limit=2**31 - 1):
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an int, got {value!r}")
     if value < 0:
         raise ValueError(f"{name}: {rule}, got {value}")
+    if value > limit:
+        raise ValueError(f"{name}: {value} is too large (at most {limit})")
 
 
 def _parse(field, text):

@@ -37,9 +37,12 @@ ReduceOp checked_reduce_op(const c10d::ReduceOp& op, DType dtype, const char* na
       TORCH_CHECK_VALUE(floating, "hca ", name, ": ReduceOp.AVG is not supported for ", dtype_name(dtype),
                         " (floating dtypes only)");
       return ReduceOp::Avg;
-    default:
-      TORCH_CHECK_VALUE(false, "hca ", name, ": reduce op ", static_cast<int>(op.op_),
+    default: {
+      static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+      const auto index = static_cast<size_t>(op.op_);
+      TORCH_CHECK_VALUE(false, "hca ", name, ": ReduceOp.", index < 9 ? names[index] : "?",
                         " is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    }
   }
 }
 

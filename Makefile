@@ -1,0 +1,26 @@
+# The two commands of the README:
+#   make run   installs what is needed, builds the extension, runs the benchmark (main job)
+#   make test  builds if needed and runs the test suite
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: run test deps build bench clean
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -r requirements-dev.txt
+
+build: deps
+	$(PIP) install --no-build-isolation -e . -q
+
+run: build bench
+
+bench:
+	$(PYTHON) benchmarks/bench.py
+
+test: build
+	cd tests && $(PYTHON) -m pytest -q
+
+clean:
+	rm -rf build *.egg-info torch_hca/*.so

@@ -1,0 +1,129 @@
+"""Bad input, mismatched calls, dead or missing peers: clear errors, no hang, nothing left in /dev/shm."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import RankFailed, run_ranks
+
+
+def _shm_entries():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("torch_hca"))
+
+
+@pytest.fixture(autouse=True)
+def no_shm_left():
+    before = _shm_entries()
+    yield
+    assert _shm_entries() == before
+
+
+def _raises(fn, exc_type):
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        return f"UNEXPECTED {type(e).__name__}: {e}"
+    return "UNEXPECTED: no exception"
+
+
+def _bad_input(rank, world):
+    sparse = torch.eye(3).to_sparse()
+    msgs = {
+        "sparse": _raises(lambda: dist.all_reduce(sparse), ValueError),
+        "float8": _raises(lambda: dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)), TypeError),
+        "avg on int": _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+                              ValueError),
+        "band": _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError),
+        "bad src": _raises(lambda: dist.broadcast(torch.ones(3), src=world + 5), (ValueError, RuntimeError)),
+        "gather size": _raises(lambda: dist.all_gather([torch.ones(2)] * world, torch.ones(3)), ValueError),
+        "gather dtype": _raises(lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(3, dtype=torch.int64)),
+                                (TypeError, ValueError)),
+    }
+    # The group still works after rejected calls: nothing was started.
+    t = torch.ones(5) * (rank + 1)
+    dist.all_reduce(t)
+    msgs["still works"] = "" if torch.equal(t, torch.full((5,), world * (world + 1) / 2)) else f"UNEXPECTED {t}"
+    # torch views complex tensors as real pairs for SUM.
+    z = torch.full((4,), complex(1, rank), dtype=torch.complex64)
+    dist.all_reduce(z)
+    want = torch.full((4,), complex(world, world * (world - 1) / 2), dtype=torch.complex64)
+    msgs["complex sum"] = "" if torch.equal(z, want) else f"UNEXPECTED {z}"
+    return msgs
+
+
+def test_bad_input_gives_clear_errors():
+    results = run_ranks(_bad_input, 2)
+    for msgs in results:
+        assert not any(m.startswith("UNEXPECTED") for m in msgs.values()), msgs
+        assert "sparse" in msgs["sparse"].lower() or "Sparse" in msgs["sparse"]
+        assert "Float8" in msgs["float8"] and "not supported" in msgs["float8"]
+        assert "AVG" in msgs["avg on int"]
+        assert "BAND is not supported" in msgs["band"]
+        assert "elements" in msgs["gather size"]
+
+
+def _mismatched(rank, world, kind):
+    if kind == "numel":
+        call = lambda: dist.all_reduce(torch.ones(10 + rank))  # noqa: E731
+    elif kind == "dtype":
+        call = lambda: dist.all_reduce(torch.ones(10, dtype=torch.float32 if rank else torch.float64))  # noqa: E731
+    elif kind == "op":
+        call = lambda: dist.all_reduce(torch.ones(10), op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM)  # noqa: E731
+    elif kind == "src":
+        call = lambda: dist.broadcast(torch.ones(10), src=rank)  # noqa: E731
+    else:
+        call = (lambda: dist.all_reduce(torch.ones(10))) if rank else (lambda: dist.broadcast(torch.ones(10), 0))
+    start = time.monotonic()
+    msg = _raises(call, dist.DistBackendError)
+    return msg, time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind", ["numel", "dtype", "op", "src", "collective"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatched_calls_fail_on_every_rank(world, kind):
+    results = run_ranks(_mismatched, world, kind, pg_timeout_s=20)
+    for msg, elapsed in results:
+        assert "mismatched calls" in msg, msg
+        assert elapsed < 5
+
+
+def _dies_mid_collective(rank, world):
+    if rank == 1:
+        dist.all_reduce(torch.ones(1 << 22), async_op=True)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    msg = _raises(lambda: [dist.all_reduce(torch.ones(1 << 22)) for _ in range(50)], dist.DistBackendError)
+    return msg, time.monotonic() - start
+
+
+def _never_arrives(rank, world):
+    if rank == 1:
+        time.sleep(6)
+        return "", 0.0
+    start = time.monotonic()
+    msg = _raises(lambda: dist.all_reduce(torch.ones(100)), dist.DistBackendError)
+    return msg, time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_killed_rank_is_named_within_the_timeout(world):
+    results = run_ranks(_dies_mid_collective, world, pg_timeout_s=3, allow_missing=(1,))
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        msg, elapsed = result
+        assert "allreduce" in msg and "rank 1" in msg and ("died" in msg or "timed out" in msg), msg
+        assert elapsed < 3 + 5
+
+
+def test_missing_rank_times_out_with_its_name():
+    msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3)[0]
+    assert "allreduce" in msg and "rank 1" in msg and "timed out" in msg, msg
+    assert 2.5 < elapsed < 3 + 5

@@ -1,0 +1,107 @@
+"""The plan layer: groups, packing and schedules (no processes needed)."""
+import itertools
+
+import pytest
+import torch
+
+import torch_hca
+from torch_hca import _C
+
+
+def _simulate(plan, world, inputs):
+    """Executes a plan's edges on plain tensors, as a transport would: returns every rank's output."""
+    buffers = [x.clone() for x in inputs]
+    outputs = [x.clone() for x in inputs]
+    for pack in plan.packs:
+        lo = pack["segments"][0][1]
+        hi = lo + pack["numel"]
+        staged = [b[lo:hi].clone() for b in buffers]
+        for step in pack["steps"]:
+            before = [s.clone() for s in staged]
+            for kind, src, dst in step:
+                staged[dst] = staged[dst] + before[src] if kind == "reduce" else before[src].clone()
+        for r in pack["result_ranks"]:
+            outputs[r][lo:hi] = staged[r]
+    return outputs
+
+
+def test_dgx1_halves_and_rotating_leaders():
+    plan = torch_hca.explain(8, num_packs=8, numels=[64])
+    assert _C.default_groups(8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for i, pack in enumerate(plan.packs):
+        members, across, back, down = pack["steps"]
+        root0, root1 = i, (i + 4) % 8  # TF: root1 = (root0 + N/2) % N
+        assert sorted({dst for _, _, dst in members}) == sorted([root0, root1])
+        assert across == [("reduce", root1, root0)]
+        assert back == [("copy", root0, root1)]
+        assert sorted(dst for _, _, dst in down) == sorted(set(range(8)) - {root0, root1})
+    assert plan.leaders() == list(range(8))
+
+
+@pytest.mark.parametrize("world", range(1, 10))
+def test_every_rank_is_in_exactly_one_group(world):
+    groups = _C.default_groups(world)
+    assert sorted(itertools.chain(*groups)) == list(range(world))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 9])
+@pytest.mark.parametrize("num_packs", [0, 1, 2, 3, 7, 40])
+@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device"])
+def test_schedule_reduces_every_rank_exactly(world, num_packs, algorithm):
+    """Odd world sizes too: following the edges sums every rank's data exactly once."""
+    numel = 29
+    plan = torch_hca.explain(world, algorithm=algorithm, num_packs=num_packs, numels=[numel])
+    inputs = [torch.arange(numel, dtype=torch.float64) * 1000 + 10 ** r for r in range(world)]
+    expected = sum(inputs)
+    for out in _simulate(plan, world, inputs):
+        assert torch.equal(out, expected)
+
+
+def test_user_groups_and_position_rule():
+    plan = torch_hca.explain(5, num_packs=5, groups=[[0, 1], [2, 3, 4]], numels=[10])
+    # Pack 3: leader 3 (position 1 of the second group); the first group's leader is its member at position 1.
+    members = plan.packs[3]["steps"][0]
+    assert sorted(members) == [("reduce", 0, 1), ("reduce", 2, 3), ("reduce", 4, 3)]
+    assert plan.packs[3]["steps"][1] == [("reduce", 1, 3)]
+
+
+def test_packing_splits_and_more_packs_than_elements():
+    plan = torch_hca.explain(2, num_packs=3, numels=[4, 6])
+    assert [p["numel"] for p in plan.packs] == [4, 3, 3]
+    assert plan.packs[0]["segments"] == [(0, 0, 4)]
+    assert plan.packs[1]["segments"] == [(1, 0, 3)]
+    tiny = torch_hca.explain(4, num_packs=10, numels=[3])
+    assert [p["numel"] for p in tiny.packs] == [1, 1, 1]
+    assert tiny.leaders() == [0, 1, 2]
+    assert torch_hca.explain(2, num_packs=0, numels=[4, 0, 6]).packs[1]["segments"] == [(2, 0, 6)]
+
+
+def test_small_tensor_aggregation():
+    plan = torch_hca.explain(2, num_packs=0, numels=[10, 10, 10, 1000, 10, 10], agg_small_grads_max_bytes=100,
+                             agg_small_grads_max_group=2)
+    assert [[s[0] for s in p["segments"]] for p in plan.packs] == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_reduce_to_one_device_and_rooted_collectives():
+    plan = torch_hca.explain(4, algorithm="reduce_to_one_device", reduce_to_device=2)
+    assert plan.packs[0]["steps"] == [[("reduce", 0, 2), ("reduce", 1, 2), ("reduce", 3, 2)],
+                                      [("copy", 2, 0), ("copy", 2, 1), ("copy", 2, 3)]]
+    reduce = torch_hca.explain(4, collective="reduce", root=3)
+    assert reduce.packs[0]["result_ranks"] == [3] and reduce.leaders() == [3]
+    bcast = torch_hca.explain(3, collective="broadcast", root=1)
+    assert bcast.packs[0]["steps"] == [[("copy", 1, 0), ("copy", 1, 2)]]
+    assert "step 1: copy 1->0, copy 1->2" in str(bcast)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(num_packs=-1), "num_packs"),
+    (dict(algorithm="ring"), "algorithm"),
+    (dict(reduce_to_device=4), "reduce_to_device"),
+    (dict(groups=[[0, 1], [1, 2, 3]]), "groups"),
+    (dict(groups=[[0, 1], [2]]), "groups"),
+    (dict(groups=[[0, 1, 2, 3, 4]]), "groups"),
+    (dict(collective="reduce", root=9), "root"),
+])
+def test_invalid_plans_raise_value_error(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        torch_hca.explain(4, **kwargs)

@@ -1,0 +1,111 @@
+"""Real use: DDP training with hca matches gloo; the TF-style classes; mixed backend strings; subgroups."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torch_hca
+from harness import run_ranks
+from reference import make_input, mismatch, reduce_reference
+
+
+def _train(rank, world, steps=20):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    # Small buckets: several allreduces per step, and the model's state broadcast at wrap time.
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(16, 32, generator=g)
+        y = torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]  # tensors would travel by fd
+
+
+@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device"])
+def test_ddp_matches_gloo(algorithm):
+    hca = run_ranks(_train, 2, pg_options=torch_hca.Options(algorithm, num_packs=2))
+    gloo = run_ranks(_train, 2, backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-6)
+    for a, b in zip(hca[0], hca[1]):  # replicas stay identical
+        assert (a == b).all()
+
+
+def _tf_style(rank, world):
+    errors = []
+    values = [make_input(7 + i, rank, n, torch.float32, "SUM") for i, n in enumerate((5, 300, 1))]
+    every = [[make_input(7 + i, r, n, torch.float32, "SUM") for r in range(world)] for i, n in enumerate((5, 300, 1))]
+    for ops in (torch_hca.HierarchicalCopyAllReduce(num_packs=2), torch_hca.ReductionToOneDevice(reduce_to_device=0)):
+        originals = [v.clone() for v in values]
+        summed = ops.batch_reduce("sum", values)
+        means = ops.batch_reduce("mean", values)
+        for i in range(3):
+            errors.append(mismatch(f"{type(ops).__name__} sum {i}", summed[i], reduce_reference(every[i], "SUM"), world))
+            errors.append(mismatch(f"{type(ops).__name__} mean {i}", means[i], reduce_reference(every[i], "AVG"), world))
+            errors.append(None if torch.equal(values[i], originals[i]) else "inputs were modified")
+        one = ops.reduce("sum", values[1])
+        errors.append(mismatch("reduce", one, reduce_reference(every[1], "SUM"), world))
+        errors.append(mismatch("broadcast", ops.broadcast(values[0], src=world - 1), every[0][world - 1], world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_tf_style_cross_device_ops(world):
+    assert run_ranks(_tf_style, world) == [[]] * world
+
+
+def _subgroups(rank, world):
+    """Default group and overlapping subgroups used in interleaved order."""
+    errors = []
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    tail = dist.new_group(list(range(1, world)))
+    for i in range(10):
+        t = torch.full((100,), float(rank + i))
+        dist.all_reduce(t)
+        errors.append(None if torch.all(t == sum(r + i for r in range(world))) else f"world {i}")
+        if rank % 2 == 0:
+            t = torch.full((7,), float(rank))
+            dist.all_reduce(t, group=evens)
+            errors.append(None if torch.all(t == sum(range(0, world, 2))) else f"evens {i}")
+        if rank >= 1:
+            t = torch.full((9,), float(rank))
+            dist.all_reduce(t, group=tail, op=dist.ReduceOp.MAX)
+            errors.append(None if torch.all(t == world - 1) else f"tail {i}")
+    return [e for e in errors if e]
+
+
+def test_overlapping_subgroups_interleaved():
+    assert run_ranks(_subgroups, 4) == [[]] * 4
+
+
+def _mixed_string(rank, world):
+    t = torch.full((10,), float(rank + 1))
+    dist.all_reduce(t)
+    return t.tolist() == [world * (world + 1) / 2] * 10 and dist.get_backend() == "cpu:gloo,cuda:hca"
+
+
+def test_mixed_backend_string():
+    """'cpu:gloo,cuda:hca' initialises; CPU tensors go to gloo (CUDA ones would go to hca)."""
+    assert run_ranks(_mixed_string, 2, backend="cpu:gloo,cuda:hca") == [True, True]
+
+
+def _options_from_env(rank, world):
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.algorithm
+
+
+def test_options_from_environment():
+    env = {"TORCH_HCA_ALGORITHM": "reduce_to_one_device", "TORCH_HCA_REDUCE_TO_DEVICE": "1"}
+    assert run_ranks(_options_from_env, 2, env=env) == ["reduce_to_one_device"] * 2
+
+
+def test_invalid_world_dependent_options_raise_value_error():
+    with pytest.raises(Exception, match="ValueError: reduce_to_device: 5 is outside"):
+        run_ranks(_options_from_env, 2, pg_options=torch_hca.Options("reduce_to_one_device", reduce_to_device=5))
+    with pytest.raises(Exception, match="ValueError: groups: rank 1 is in no group"):
+        run_ranks(_options_from_env, 2, pg_options=torch_hca.Options(groups=[[0]]))
