@@ -71,7 +71,7 @@ def test_fuzzed_env_values_never_crash():
 
 
 def test_chunk_bytes_env():
-    assert shm_chunk_bytes({}) == 1 << 20
+    assert shm_chunk_bytes({}) == 128 << 10
     assert shm_chunk_bytes({"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}) == 65536
     for bad in ("12", "big"):
         with pytest.raises(ValueError, match="TORCH_HCA_SHM_CHUNK_BYTES"):

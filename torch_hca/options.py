@@ -85,11 +85,11 @@ def _parse(field, text):
 
 
 def shm_chunk_bytes(environ=None) -> int:
-    """Bytes of one staging half per rank (TORCH_HCA_SHM_CHUNK_BYTES, default 1 MiB)."""
+    """Bytes of one staging half per rank (TORCH_HCA_SHM_CHUNK_BYTES, default 128 KiB)."""
     environ = os.environ if environ is None else environ
     text = environ.get(ENV_PREFIX + "SHM_CHUNK_BYTES", "")
     try:
-        value = int(text) if text.strip() else 1 << 20
+        value = int(text) if text.strip() else 128 << 10
     except ValueError:
         raise ValueError(f"TORCH_HCA_SHM_CHUNK_BYTES={text!r}: expected an int") from None
     if value < 4096:

@@ -20,6 +20,10 @@ struct alignas(kCacheLine) RankSlot {
   std::atomic<uint64_t> started;
   int32_t pid;
   char signature[2][kSignatureBytes];
+  // Set once this rank gave up on a collective; `failure` says why, so ranks
+  // waiting on it report the cause rather than a second-hand timeout.
+  std::atomic<uint32_t> failed;
+  char failure[kSignatureBytes];
 };
 
 struct alignas(kCacheLine) Header {

@@ -86,31 +86,49 @@ struct Max { template <class A> static A apply(A a, A b) { return a < b ? b : a;
 // Blocks keep the accumulator in registers/L1 and let the compiler vectorize.
 constexpr size_t kBlock = 1024;
 
+struct Operands {
+  void* dst;
+  const void* first;
+  const void* const* srcs;
+  size_t nsrc, n;
+  void* out;
+  int divisor;
+};
+
 template <class T, class Op>
-void reduce_typed(T* dst, const T* const* srcs, size_t nsrc, size_t n) {
+void reduce_typed(const Operands& o) {
   using Tr = Traits<T>;
   using Acc = typename Tr::Acc;
+  auto dst = static_cast<T*>(o.dst);
+  auto first = static_cast<const T*>(o.first);
+  auto out = static_cast<T*>(o.out);
+  const Acc divisor = static_cast<Acc>(o.divisor);
   Acc acc[kBlock];
-  for (size_t base = 0; base < n; base += kBlock) {
-    const size_t len = std::min(kBlock, n - base);
-    for (size_t i = 0; i < len; ++i) acc[i] = Tr::load(dst[base + i]);
-    for (size_t s = 0; s < nsrc; ++s) {
-      const T* src = srcs[s] + base;
+  for (size_t base = 0; base < o.n; base += kBlock) {
+    const size_t len = std::min(kBlock, o.n - base);
+    for (size_t i = 0; i < len; ++i) acc[i] = Tr::load(first[base + i]);
+    for (size_t s = 0; s < o.nsrc; ++s) {
+      const T* src = static_cast<const T*>(o.srcs[s]) + base;
       for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], Tr::load(src[i]));
     }
     for (size_t i = 0; i < len; ++i) dst[base + i] = Tr::store(acc[i]);
+    if (!out) continue;
+    if (o.divisor == 1) {
+      for (size_t i = 0; i < len; ++i) out[base + i] = Tr::store(acc[i]);
+    } else {
+      // Divide the stored (rounded) sum, as the ranks that copy it do: same bits everywhere.
+      for (size_t i = 0; i < len; ++i) out[base + i] = Tr::store(Tr::load(dst[base + i]) / divisor);
+    }
   }
 }
 
 template <class T>
-void reduce_op(ReduceOp op, void* dst, const void* const* srcs, size_t nsrc, size_t n) {
-  auto d = static_cast<T*>(dst);
-  auto s = reinterpret_cast<const T* const*>(srcs);
+void reduce_op(ReduceOp op, const Operands& o) {
   switch (op) {
-    case ReduceOp::Sum: case ReduceOp::Avg: return reduce_typed<T, Add>(d, s, nsrc, n);
-    case ReduceOp::Product: return reduce_typed<T, Mul>(d, s, nsrc, n);
-    case ReduceOp::Min: return reduce_typed<T, Min>(d, s, nsrc, n);
-    case ReduceOp::Max: return reduce_typed<T, Max>(d, s, nsrc, n);
+    case ReduceOp::Sum: case ReduceOp::Avg: return reduce_typed<T, Add>(o);
+    case ReduceOp::Product: return reduce_typed<T, Mul>(o);
+    case ReduceOp::Min: return reduce_typed<T, Min>(o);
+    case ReduceOp::Max: return reduce_typed<T, Max>(o);
   }
 }
 
@@ -126,19 +144,21 @@ void scale_typed(void* dst, const void* src, size_t n, int divisor) {
 
 }  // namespace
 
-void reduce_into(DType dtype, ReduceOp op, void* dst, const void* const* srcs, size_t nsrc, size_t n) {
+void reduce_into(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc,
+                 size_t n, void* out, int divisor) {
+  const Operands o{dst, first, srcs, nsrc, n, out, divisor};
   switch (dtype) {
-    case DType::F32: return reduce_op<float>(op, dst, srcs, nsrc, n);
-    case DType::F64: return reduce_op<double>(op, dst, srcs, nsrc, n);
-    case DType::F16: return reduce_op<Half>(op, dst, srcs, nsrc, n);
-    case DType::BF16: return reduce_op<BFloat16>(op, dst, srcs, nsrc, n);
-    case DType::I8: return reduce_op<int8_t>(op, dst, srcs, nsrc, n);
-    case DType::U8: return reduce_op<uint8_t>(op, dst, srcs, nsrc, n);
-    case DType::I32: return reduce_op<int32_t>(op, dst, srcs, nsrc, n);
-    case DType::I64: return reduce_op<int64_t>(op, dst, srcs, nsrc, n);
+    case DType::F32: return reduce_op<float>(op, o);
+    case DType::F64: return reduce_op<double>(op, o);
+    case DType::F16: return reduce_op<Half>(op, o);
+    case DType::BF16: return reduce_op<BFloat16>(op, o);
+    case DType::I8: return reduce_op<int8_t>(op, o);
+    case DType::U8: return reduce_op<uint8_t>(op, o);
+    case DType::I32: return reduce_op<int32_t>(op, o);
+    case DType::I64: return reduce_op<int64_t>(op, o);
     case DType::Bool: {
       const bool any = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Max;
-      return reduce_op<uint8_t>(any ? ReduceOp::Max : ReduceOp::Min, dst, srcs, nsrc, n);
+      return reduce_op<uint8_t>(any ? ReduceOp::Max : ReduceOp::Min, o);
     }
   }
 }

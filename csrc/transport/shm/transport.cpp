@@ -16,8 +16,8 @@ constexpr size_t kAlign = 64;
 
 uint64_t progress_value(uint64_t round, size_t steps_done) { return (round << 4) | steps_done; }
 
-// Calls fn(in, out, elements) for the parts of the pack's segments that fall in
-// [begin, begin + count), in order.
+// Calls fn(in, out, at, elements) for the parts of the pack's segments that fall
+// in [begin, begin + count), in order; `at` counts elements from `begin`.
 template <class Fn>
 void for_each_span(const Pack& pack, const std::vector<TensorSpan>& tensors, size_t begin, size_t count, Fn fn) {
   const size_t es = element_size(pack.dtype);
@@ -27,7 +27,7 @@ void for_each_span(const Pack& pack, const std::vector<TensorSpan>& tensors, siz
     if (lo < hi) {
       const size_t at = (seg.offset + lo - seg_start) * es;
       const auto& t = tensors[seg.tensor];
-      fn(static_cast<const char*>(t.in) + at, static_cast<char*>(t.out) + at, hi - lo);
+      fn(static_cast<const char*>(t.in) + at, static_cast<char*>(t.out) + at, lo - begin, hi - lo);
     }
     seg_start += seg.numel;
     if (seg_start >= begin + count) break;
@@ -72,23 +72,28 @@ Transport::Role role_of(const Schedule& schedule, int rank) {
   Transport::Role role;
   role.result = std::find(schedule.result_ranks.begin(), schedule.result_ranks.end(), rank) !=
                 schedule.result_ranks.end();
-  int last_in = -1, last_out = -1;
-  bool last_in_is_copy = false;
+  int first = -1, last_out = -1;
+  bool first_is_src = false, first_is_reduce = false, last_in_is_copy = false;
   for (size_t s = 0; s < schedule.steps.size(); ++s) {
     for (const Edge& e : schedule.steps[s]) {
-      if (e.src == rank) {
-        role.stages = true;
-        last_out = static_cast<int>(s);
+      if (e.src != rank && e.dst != rank) continue;
+      if (first < 0) first = static_cast<int>(s);
+      if (first == static_cast<int>(s)) {
+        first_is_src = first_is_src || e.src == rank;
+        first_is_reduce = first_is_reduce || (e.dst == rank && e.kind == EdgeKind::Reduce);
       }
+      if (e.src == rank) last_out = static_cast<int>(s);
       if (e.dst == rank) {
-        role.receives = true;
-        role.stages = role.stages || e.kind == EdgeKind::Reduce;
-        last_in = static_cast<int>(s);
+        role.last_in = static_cast<int>(s);
         last_in_is_copy = e.kind == EdgeKind::Copy;
       }
     }
   }
-  if (role.result && last_in_is_copy && last_out < last_in) role.direct_step = last_in;
+  // Data others read first must be staged; a rank that first reduces can read
+  // its own input in that pass; one that first receives a Copy needs nothing.
+  role.stages = first_is_src;
+  if (!first_is_src && first_is_reduce) role.fused_step = first;
+  role.direct = role.result && last_in_is_copy && last_out < role.last_in;
   return role;
 }
 
@@ -115,9 +120,19 @@ char* Transport::buffer(int rank, uint64_t round) const {
   return segment_->data() + layout_.buffers_offset + (static_cast<size_t>(rank) * 2 + round % 2) * layout_.half_bytes;
 }
 
+template <class Ready>
+void Transport::await(int peer, Ready ready, const WaitContext& ctx) {
+  RankSlot& theirs = slot(peer);
+  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire); }, ctx, peer, theirs.pid);
+  if (!ready()) {
+    throw std::runtime_error("hca " + ctx.operation + ": rank " + std::to_string(peer) + " failed: " +
+                             std::string(theirs.failure, strnlen(theirs.failure, kSignatureBytes)));
+  }
+}
+
 void Transport::wait_progress(int peer, uint64_t at_least, const WaitContext& ctx) {
   auto& word = slot(peer).progress;
-  wait_for([&] { return word.load(std::memory_order_acquire) >= at_least; }, ctx, peer, slot(peer).pid);
+  await(peer, [&] { return word.load(std::memory_order_acquire) >= at_least; }, ctx);
 }
 
 void Transport::start(const Collective& collective, const WaitContext& ctx) {
@@ -129,7 +144,7 @@ void Transport::start(const Collective& collective, const WaitContext& ctx) {
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     RankSlot& theirs = slot(peer);
-    wait_for([&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx, peer, theirs.pid);
+    await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
     if (std::strncmp(theirs.signature[n % 2], mine.signature[n % 2], kSignatureBytes) != 0) {
       throw std::runtime_error("hca collective #" + std::to_string(n) + ": mismatched calls: rank " +
                                std::to_string(rank_) + " called " + mine.signature[n % 2] + " but rank " +
@@ -150,6 +165,13 @@ void Transport::run(const Collective& collective) {
     for (const auto& round : cut_rounds(plan, layout_.half_bytes)) run_round(collective, round, roles, ctx);
   } catch (const std::exception& e) {
     broken_ = e.what();
+    RankSlot& mine = slot(rank_);
+    if (!mine.failed.load(std::memory_order_relaxed)) {
+      // The first cause only, without our own "hca collective #n ...:" prefix.
+      const char* cause = std::strstr(e.what(), "): ");
+      std::strncpy(mine.failure, cause ? cause + 3 : e.what(), kSignatureBytes - 1);
+      mine.failed.store(1, std::memory_order_release);
+    }
     throw;
   }
 }
@@ -171,11 +193,9 @@ void Transport::run_round(const Collective& collective, const std::vector<Piece>
     const Pack& pack = plan[piece.pack].pack;
     steps = std::max(steps, plan[piece.pack].schedule.steps.size());
     if (!roles[piece.pack].stages) continue;
-    char* dst = mine + piece.offset;
-    for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char*, size_t n) {
-      const size_t bytes = n * element_size(pack.dtype);
-      std::memcpy(dst, in, bytes);
-      dst += bytes;
+    for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char*, size_t at, size_t n) {
+      const size_t es = element_size(pack.dtype);
+      std::memcpy(mine + piece.offset + at * es, in, n * es);
     });
   }
   slot(rank_).progress.store(progress_value(r, 1), std::memory_order_release);
@@ -185,7 +205,10 @@ void Transport::run_round(const Collective& collective, const std::vector<Piece>
     for (const Piece& piece : round) {
       const auto& [pack, schedule] = plan[piece.pack];
       if (s >= schedule.steps.size()) continue;
+      const Role& role = roles[piece.pack];
       const size_t es = element_size(pack.dtype);
+      const bool final_step = role.result && role.last_in == static_cast<int>(s);
+      char* staged = mine + piece.offset;
       sources.clear();
       int copy_from = -1;
       for (const Edge& e : schedule.steps[s]) {
@@ -198,30 +221,38 @@ void Transport::run_round(const Collective& collective, const std::vector<Piece>
         }
       }
       if (!sources.empty()) {
-        reduce_into(pack.dtype, collective.op, mine + piece.offset, sources.data(), sources.size(), piece.count);
+        const bool fused = role.fused_step == static_cast<int>(s);
+        if (!fused && !final_step) {
+          reduce_into(pack.dtype, collective.op, staged, staged, sources.data(), sources.size(), piece.count);
+        } else {
+          // Per span of the caller's tensors: read the input and/or write the output in the same pass.
+          std::vector<const void*> at_span(sources.size());
+          for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char* out, size_t at, size_t n) {
+            for (size_t i = 0; i < sources.size(); ++i) at_span[i] = static_cast<const char*>(sources[i]) + at * es;
+            reduce_into(pack.dtype, collective.op, staged + at * es, fused ? in : staged + at * es, at_span.data(),
+                        at_span.size(), n, final_step ? out : nullptr, divisor);
+          });
+        }
       }
       if (copy_from < 0) continue;
       const char* from = buffer(copy_from, r) + piece.offset;
-      if (roles[piece.pack].direct_step == static_cast<int>(s)) {
-        for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char*, char* out, size_t n) {
-          scale_copy(pack.dtype, out, from, n, divisor);
-          from += n * es;
+      if (!role.direct) std::memcpy(staged, from, piece.count * es);
+      if (final_step) {
+        for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char*, char* out, size_t at, size_t n) {
+          scale_copy(pack.dtype, out, (role.direct ? from : staged) + at * es, n, divisor);
         });
-      } else {
-        std::memcpy(mine + piece.offset, from, piece.count * es);
       }
     }
     slot(rank_).progress.store(progress_value(r, s + 2), std::memory_order_release);
   }
 
+  // A result rank that received nothing (broadcast's src, a world of one) outputs its input.
   for (const Piece& piece : round) {
     const Role& role = roles[piece.pack];
-    if (!role.result || role.direct_step >= 0) continue;
+    if (!role.result || role.last_in >= 0) continue;
     const Pack& pack = plan[piece.pack].pack;
-    const char* from = mine + piece.offset;
-    for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char* out, size_t n) {
-      scale_copy(pack.dtype, out, role.receives ? from : in, n, divisor);
-      from += n * element_size(pack.dtype);
+    for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char* out, size_t, size_t n) {
+      scale_copy(pack.dtype, out, in, n, divisor);
     });
   }
 }

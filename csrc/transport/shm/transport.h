@@ -49,10 +49,11 @@ class Transport {
   };
   // What this rank does for one pack, derived from the pack's schedule.
   struct Role {
-    bool stages = false;    // its staged data is read or reduced into
-    bool receives = false;  // some edge writes into it
-    bool result = false;    // its output must end with the result
-    int direct_step = -1;   // the step whose Copy lands straight in the output
+    bool stages = false;   // copies its input into its buffer before step 0
+    int fused_step = -1;   // instead, its first Reduce reads the input directly
+    bool result = false;   // its output must end with the result
+    int last_in = -1;      // the step of its last incoming edge: it writes its output then
+    bool direct = false;   // that last edge is a Copy that lands straight in the output
   };
 
  private:
@@ -60,6 +61,9 @@ class Transport {
   void run_round(const Collective& collective, const std::vector<Piece>& round, const std::vector<Role>& roles,
                  const WaitContext& ctx);
   void wait_progress(int peer, uint64_t at_least, const WaitContext& ctx);
+  // Waits until ready() or the peer reports a failure (then throws its reason).
+  template <class Ready>
+  void await(int peer, Ready ready, const WaitContext& ctx);
   char* buffer(int rank, uint64_t round) const;
   RankSlot& slot(int rank) const;
 

@@ -1,0 +1,210 @@
+"""hca beside gloo on CPU ranks: nccl-tests' columns, a JSON file and a PNG plot.
+
+    python benchmarks/bench.py                      # 2 ranks, 4 B .. 64 MiB
+    python benchmarks/bench.py --world-sizes 2,3,4 --max-bytes 16M
+
+Every backend runs in the same processes, one after the other, on the same float32 tensors.
+time = median over iterations of the slowest rank's time; algbw = bytes / time;
+busbw = algbw * 2(n-1)/n for allreduce, algbw for broadcast (as nccl-tests defines them).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_bytes(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def backends(world):
+    """(label, backend, hca options) for every contender."""
+    import torch_hca
+
+    rows = [("gloo", "gloo", None),
+            ("hca/hierarchical_copy", "hca", torch_hca.Options("hierarchical_copy", num_packs=1))]
+    if world > 1:
+        rows.append((f"hca/hierarchical_copy(num_packs={world})", "hca",
+                     torch_hca.Options("hierarchical_copy", num_packs=world)))
+    rows.append(("hca/reduce_to_one_device", "hca", torch_hca.Options("reduce_to_one_device")))
+    return rows
+
+
+def time_collective(fn, nbytes, group, timer_group):
+    """Median seconds per call of the slowest rank; iterations scale down with size."""
+    iters = max(5, min(200, int(2e8 // max(nbytes, 1))))
+    for _ in range(min(3, iters)):
+        fn()
+    dist.barrier(group=group)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
+    return median.item()
+
+
+def count_wrong(op, n, rank, world, group):
+    """Elements that differ from the expected result for rank-dependent data."""
+    t = torch.full((n,), float(rank + 1))
+    if op == "allreduce":
+        dist.all_reduce(t, group=group)
+        return int((t != world * (world + 1) / 2).sum())
+    dist.broadcast(t, src=0, group=group)
+    return int((t != 1.0).sum())
+
+
+def worker(rank, world, init, sizes, ops, out_path):
+    import torch_hca  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    timer_group = dist.group.WORLD
+    rows = []
+    for label, backend, options in backends(world):
+        group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
+        for op in ops:
+            for nbytes in sizes:
+                n = max(1, nbytes // 4)
+                t = torch.zeros(n)
+                if op == "allreduce":
+                    fn = lambda: dist.all_reduce(t, group=group)  # noqa: E731
+                else:
+                    fn = lambda: dist.broadcast(t, src=0, group=group)  # noqa: E731
+                seconds = time_collective(fn, n * 4, group, timer_group)
+                algbw = n * 4 / seconds / 1e9
+                factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
+                rows.append(dict(backend=label, op=op, world_size=world, size=n * 4, count=n, type="float",
+                                 redop="sum" if op == "allreduce" else "none", root=-1 if op == "allreduce" else 0,
+                                 time_us=seconds * 1e6, algbw=algbw, busbw=algbw * factor,
+                                 wrong=count_wrong(op, n, rank, world, group)))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def memcpy_bandwidth(nbytes=64 << 20):
+    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return nbytes / best / 1e9
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def print_table(rows):
+    header = f"{'size(B)':>10} {'count':>9} {'type':>6} {'redop':>6} {'root':>4} {'time(us)':>11} " \
+             f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
+    key = None
+    for r in rows:
+        if (r["backend"], r["op"], r["world_size"]) != key:
+            key = (r["backend"], r["op"], r["world_size"])
+            print(f"\n# {r['op']}  {r['backend']}  ranks={r['world_size']}\n{header}")
+        print(f"{r['size']:>10} {r['count']:>9} {r['type']:>6} {r['redop']:>6} {r['root']:>4} {r['time_us']:>11.1f} "
+              f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6}")
+
+
+def ratios(rows):
+    """Per (op, world, size): gloo's time / each hca row's time."""
+    gloo = {(r["op"], r["world_size"], r["size"]): r for r in rows if r["backend"] == "gloo"}
+    out = []
+    for r in rows:
+        g = gloo.get((r["op"], r["world_size"], r["size"]))
+        if r["backend"] != "gloo" and g:
+            out.append(dict(op=r["op"], world_size=r["world_size"], size=r["size"], backend=r["backend"],
+                            speedup_vs_gloo=g["time_us"] / r["time_us"]))
+    return out
+
+
+def plot(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["op"], r["world_size"]) for r in rows})
+    fig, axes = plt.subplots(2, len(keys), figsize=(5.5 * len(keys), 8), squeeze=False)
+    for col, (op, world) in enumerate(keys):
+        for label in dict.fromkeys(r["backend"] for r in rows):
+            pts = [r for r in rows if r["backend"] == label and r["op"] == op and r["world_size"] == world]
+            if not pts:
+                continue
+            style = "--" if label == "gloo" else "-"
+            axes[0][col].plot([p["size"] for p in pts], [p["busbw"] for p in pts], style, marker=".", label=label)
+            axes[1][col].plot([p["size"] for p in pts], [p["time_us"] for p in pts], style, marker=".", label=label)
+        axes[0][col].set_title(f"{op}, {world} ranks")
+        axes[0][col].set_ylabel("busbw (GB/s)")
+        axes[1][col].set_ylabel("time (us)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("message size (bytes)")
+            ax.grid(True, alpha=0.3)
+        axes[1][col].set_yscale("log")
+        axes[0][col].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="2")
+    parser.add_argument("--min-bytes", default="4")
+    parser.add_argument("--max-bytes", default="64M")
+    parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
+    parser.add_argument("--ops", default="allreduce,broadcast")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    sizes, n = [], parse_bytes(args.min_bytes)
+    while n <= parse_bytes(args.max_bytes):
+        sizes.append(n)
+        n *= args.step
+    device = "cpu"
+    rows = []
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, args.ops.split(","), out), nprocs=world)
+            with open(out) as f:
+                rows += json.load(f)
+    print_table(rows)
+    memcpy = memcpy_bandwidth()
+    speedups = ratios(rows)
+    print(f"\nmemcpy bandwidth (one core): {memcpy:.2f} GB/s")
+    print("\n# hca speed-up over gloo (gloo time / hca time)")
+    for s in speedups:
+        print(f"{s['op']:>10} ranks={s['world_size']} {s['size']:>10} B  {s['backend']:<40} {s['speedup_vs_gloo']:7.2f}x")
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    name = f"{device}-{platform.node() or 'host'}-{stamp}"
+    meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows, speedup_vs_gloo=speedups), f, indent=1)
+    plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}")
+    print(f"\nwrote {os.path.join(args.out, name)}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
