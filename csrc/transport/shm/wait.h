@@ -1,4 +1,4 @@
-// Waiting for another rank's progress word: spin briefly, then yield, then
+// Waiting for another rank's progress word: spin a few hundred cycles, then yield, then
 // sleep with growing pauses, so ranks that outnumber cores back off instead of
 // spinning a core away. Every wait has a deadline and notices a dead peer.
 #pragma once
@@ -43,9 +43,9 @@ void wait_for(Ready ready, const WaitContext& ctx, int peer, int peer_pid) {
   while (!ready()) {
     const auto now = Clock::now();
     const auto waited = now - start;
-    if (waited < std::chrono::microseconds(20)) {
-      cpu_relax();
-    } else if (waited < std::chrono::microseconds(300)) {
+    // Yield rather than spin: a peer sharing this core runs at once, and on
+    // an idle core the call returns at once. Sleep only after a long wait.
+    if (waited < std::chrono::milliseconds(1)) {
       sched_yield();
     } else {
       std::this_thread::sleep_for(std::min<Clock::duration>(waited / 8, std::chrono::microseconds(500)));
