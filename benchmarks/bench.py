@@ -137,6 +137,18 @@ def ratios(rows):
     return out
 
 
+def print_speedups(speedups):
+    """A markdown table: per op, ranks and size, gloo's time over each hca row's time."""
+    labels = list(dict.fromkeys(s["backend"] for s in speedups))
+    print("\n# hca speed-up over gloo (gloo time / hca time; busbw ratio is the same number)")
+    print("| op | ranks | size | " + " | ".join(labels) + " |")
+    print("|---" * (3 + len(labels)) + "|")
+    cells = {(s["op"], s["world_size"], s["size"], s["backend"]): s["speedup_vs_gloo"] for s in speedups}
+    for op, world, size in dict.fromkeys((s["op"], s["world_size"], s["size"]) for s in speedups):
+        row = [f"{cells[(op, world, size, b)]:.1f}x" if (op, world, size, b) in cells else "" for b in labels]
+        print(f"| {op} | {world} | {size} | " + " | ".join(row) + " |")
+
+
 def plot(rows, path, title):
     import matplotlib
 
@@ -192,12 +204,10 @@ def main(argv=None):
     memcpy = memcpy_bandwidth()
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth (one core): {memcpy:.2f} GB/s")
-    print("\n# hca speed-up over gloo (gloo time / hca time)")
-    for s in speedups:
-        print(f"{s['op']:>10} ranks={s['world_size']} {s['size']:>10} B  {s['backend']:<40} {s['speedup_vs_gloo']:7.2f}x")
+    print_speedups(speedups)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    name = f"{device}-{platform.node() or 'host'}-{stamp}"
+    name = f"{device}-ranks{args.world_sizes.replace(',', '_')}-{stamp}"
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
