@@ -70,6 +70,37 @@ def count_wrong(op, n, rank, world, group):
     return int((t != 1.0).sum())
 
 
+def batch_shapes(count=100, smallest=4 << 10, largest=4 << 20):
+    """`count` float32 tensor sizes spread geometrically from `smallest` to `largest` bytes."""
+    ratio = (largest / smallest) ** (1 / (count - 1))
+    return [max(1, int(smallest * ratio ** i) // 4) for i in range(count)]
+
+
+def time_batches(rank, world, timer_group):
+    """A batch of 100 tensors (4 KiB-4 MiB): gloo once per tensor vs hca's packed modes."""
+    import torch_hca
+
+    tensors = [torch.zeros(n) for n in batch_shapes()]
+    nbytes = sum(t.numel() * 4 for t in tensors)
+    contenders = [("gloo, one call per tensor", None),
+                  ("hca/nccl(num_packs=1) (gloo engine)", torch_hca.Options("nccl", num_packs=1)),
+                  ("hca/nccl(agg_small_grads 256 KiB x 10)", torch_hca.Options(
+                      "nccl", num_packs=0, agg_small_grads_max_bytes=256 << 10, agg_small_grads_max_group=10)),
+                  (f"hca/hierarchical_copy(num_packs={world})", torch_hca.Options("hierarchical_copy", num_packs=world))]
+    rows = []
+    for label, options in contenders:
+        if options is None:
+            group = timer_group
+            fn = lambda: [dist.all_reduce(t, group=group) for t in tensors]  # noqa: E731
+        else:
+            group = dist.new_group(backend="hca", pg_options=options)
+            fn = lambda: torch_hca.batch_allreduce(tensors, group=group)  # noqa: E731
+        seconds = time_collective(fn, nbytes, group, timer_group)
+        rows.append(dict(backend=label, op="batch100", world_size=world, size=nbytes, count=len(tensors),
+                         time_us=seconds * 1e6))
+    return rows
+
+
 def worker(rank, world, init, sizes, ops, out_path):
     import torch_hca  # noqa: F401
 
@@ -77,6 +108,9 @@ def worker(rank, world, init, sizes, ops, out_path):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     timer_group = dist.group.WORLD
     rows = []
+    if "batch" in ops:
+        rows += time_batches(rank, world, timer_group)
+        ops = [op for op in ops if op != "batch"]
     for label, backend, options in backends(world):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
@@ -137,8 +171,17 @@ def ratios(rows):
     return out
 
 
+def print_batches(batches):
+    for r in batches:
+        base = next(b for b in batches if b["world_size"] == r["world_size"] and b["backend"].startswith("gloo"))
+        print(f"batch of {r['count']} tensors ({r['size'] / 2**20:.1f} MiB), ranks={r['world_size']}: "
+              f"{r['backend']:<42} {r['time_us'] / 1e3:9.2f} ms  ({base['time_us'] / r['time_us']:.2f}x gloo)")
+
+
 def print_speedups(speedups):
     """A markdown table: per op, ranks and size, gloo's time over each hca row's time."""
+    if not speedups:
+        return
     labels = list(dict.fromkeys(s["backend"] for s in speedups))
     print("\n# hca speed-up over gloo (gloo time / hca time; busbw ratio is the same number)")
     print("| op | ranks | size | " + " | ".join(labels) + " |")
@@ -185,7 +228,8 @@ def main(argv=None):
     parser.add_argument("--min-bytes", default="4")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
-    parser.add_argument("--ops", default="allreduce,broadcast")
+    parser.add_argument("--ops", default="allreduce,broadcast",
+                        help="allreduce, broadcast, and/or batch (100 tensors of 4 KiB-4 MiB)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     sizes, n = [], parse_bytes(args.min_bytes)
@@ -200,7 +244,10 @@ def main(argv=None):
             mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, args.ops.split(","), out), nprocs=world)
             with open(out) as f:
                 rows += json.load(f)
+    batches = [r for r in rows if r["op"] == "batch100"]
+    rows = [r for r in rows if r["op"] != "batch100"]
     print_table(rows)
+    print_batches(batches)
     memcpy = memcpy_bandwidth()
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth (one core): {memcpy:.2f} GB/s")
@@ -211,8 +258,9 @@ def main(argv=None):
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, speedup_vs_gloo=speedups), f, indent=1)
-    plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}")
+        json.dump(dict(meta=meta, rows=rows, batches=batches, speedup_vs_gloo=speedups), f, indent=1)
+    if rows:
+        plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}")
     print(f"\nwrote {os.path.join(args.out, name)}.json and .png")
 
 

@@ -105,3 +105,10 @@ def test_reduce_to_one_device_and_rooted_collectives():
 def test_invalid_plans_raise_value_error(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         torch_hca.explain(4, **kwargs)
+
+
+def test_nccl_plan_is_the_packing_alone():
+    plan = torch_hca.explain(4, algorithm="nccl", num_packs=0, numels=[10, 10, 5000, 10],
+                             agg_small_grads_max_bytes=100, agg_small_grads_max_group=10)
+    assert [[s[0] for s in p["segments"]] for p in plan.packs] == [[0, 1], [2], [3]]
+    assert all(p["steps"] == [] for p in plan.packs)

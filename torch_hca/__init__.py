@@ -8,7 +8,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401
 from .backend import BACKEND_NAME, create_backend, register
 from .collectives import batch_allreduce
-from .cross_device_ops import HierarchicalCopyAllReduce, ReductionToOneDevice
+from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce, ReductionToOneDevice
 from .explain import Plan, explain
 from .options import Options
 
@@ -16,5 +16,5 @@ register()
 
 __all__ = [
     "BACKEND_NAME", "Options", "Plan", "explain", "batch_allreduce", "create_backend",
-    "HierarchicalCopyAllReduce", "ReductionToOneDevice",
+    "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice",
 ]

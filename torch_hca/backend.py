@@ -1,4 +1,5 @@
 """Registers the c10d backend "hca" for CPU and CUDA devices."""
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -12,6 +13,7 @@ def create_backend(dist_backend_opts, backend_options):
     options = Options.from_env() if backend_options is None else backend_options
     if not isinstance(options, Options):
         raise TypeError(f"hca: pg_options must be torch_hca.Options, got {type(options).__name__}")
+    cpu_engine, cuda_engine = _engines(dist_backend_opts) if options.algorithm == "nccl" else (None, None)
     return _C.ProcessGroupHCA(
         store=dist_backend_opts.store,
         rank=dist_backend_opts.group_rank,
@@ -24,7 +26,23 @@ def create_backend(dist_backend_opts, backend_options):
         agg_small_grads_max_bytes=options.agg_small_grads_max_bytes,
         agg_small_grads_max_group=options.agg_small_grads_max_group,
         chunk_bytes=shm_chunk_bytes(),
+        cpu_engine=cpu_engine,
+        cuda_engine=cuda_engine,
     )
+
+
+def _engines(dist_backend_opts):
+    """The stock engines of the nccl algorithm, on the same store, rank, world and timeout:
+    gloo for CPU tensors, ProcessGroupNCCL for CUDA tensors where torch has it and a GPU is present."""
+    store = dist.PrefixStore("engine/", dist_backend_opts.store)
+    rank, size, timeout = dist_backend_opts.group_rank, dist_backend_opts.group_size, dist_backend_opts.timeout
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    cuda = None
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
+    return cpu, cuda
 
 
 def register():

@@ -71,3 +71,17 @@ class ReductionToOneDevice(CrossDeviceOps):
 
     def __init__(self, reduce_to_device: Optional[int] = None):
         super().__init__(Options("reduce_to_one_device", reduce_to_device=reduce_to_device))
+
+
+class AllReduceCrossDeviceOps(CrossDeviceOps):
+    """tf.distribute's AllReduceCrossDeviceOps(all_reduce_alg='nccl', num_packs=1,
+    agg_small_grads_max_bytes=0, agg_small_grads_max_group=10): "nccl" packs, then hands the
+    packs to stock NCCL (CUDA tensors) or gloo (CPU tensors)."""
+
+    def __init__(self, all_reduce_alg: str = "nccl", num_packs: int = 1, agg_small_grads_max_bytes: int = 0,
+                 agg_small_grads_max_group: int = 10):
+        if all_reduce_alg not in ("nccl", "hierarchical_copy"):
+            raise ValueError(f"all_reduce_alg: expected 'nccl' or 'hierarchical_copy', got {all_reduce_alg!r}")
+        super().__init__(Options(all_reduce_alg, num_packs=num_packs,
+                                 agg_small_grads_max_bytes=agg_small_grads_max_bytes,
+                                 agg_small_grads_max_group=agg_small_grads_max_group))

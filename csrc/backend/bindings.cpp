@@ -67,14 +67,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const std::string& algorithm, int num_packs, int reduce_to_device, const Groups& groups,
-                       long long agg_bytes, int agg_group, size_t chunk_bytes) {
+                       long long agg_bytes, int agg_group, size_t chunk_bytes,
+                       const c10::intrusive_ptr<c10d::Backend>& cpu_engine,
+                       const c10::intrusive_ptr<c10d::Backend>& cuda_engine) {
              return c10::make_intrusive<ProcessGroupHCA>(
                  store, rank, size, std::chrono::milliseconds(timeout_ms),
-                 plan_options(algorithm, num_packs, reduce_to_device, groups, agg_bytes, agg_group), chunk_bytes);
+                 plan_options(algorithm, num_packs, reduce_to_device, groups, agg_bytes, agg_group), chunk_bytes,
+                 cpu_engine, cuda_engine);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("algorithm"),
            py::arg("num_packs"), py::arg("reduce_to_device"), py::arg("groups"), py::arg("agg_small_grads_max_bytes"),
-           py::arg("agg_small_grads_max_group"), py::arg("chunk_bytes"), py::call_guard<py::gil_scoped_release>())
+           py::arg("agg_small_grads_max_group"), py::arg("chunk_bytes"), py::arg("cpu_engine") = py::none(),
+           py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
 
   m.def("default_groups", &default_groups, py::arg("world_size"));

@@ -35,15 +35,57 @@ char* byte_offset(const at::Tensor& t, int64_t elements) {
 }  // namespace
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                                 std::chrono::milliseconds timeout, PlanOptions options, size_t chunk_bytes)
-    : c10d::Backend(rank, size), options_(std::move(options)), timeout_(timeout) {
+                                 std::chrono::milliseconds timeout, PlanOptions options, size_t chunk_bytes,
+                                 c10::intrusive_ptr<c10d::Backend> cpu_engine,
+                                 c10::intrusive_ptr<c10d::Backend> cuda_engine)
+    : c10d::Backend(rank, size),
+      options_(std::move(options)),
+      timeout_(timeout),
+      cpu_engine_(std::move(cpu_engine)),
+      cuda_engine_(std::move(cuda_engine)) {
   try {
     validate(options_, size);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+  if (passes_through()) {
+    TORCH_CHECK_VALUE(cpu_engine_, "hca: the nccl algorithm needs an engine for CPU tensors");
+    return;
+  }
   StoreRendezvous rendezvous(store);
   shm_ = std::make_unique<shm::Transport>(rendezvous, rank, size, chunk_bytes, timeout);
+}
+
+c10d::Backend& ProcessGroupHCA::engine_for(const at::Tensor& tensor, const char* name) const {
+  if (tensor.device().is_cuda()) {
+    TORCH_CHECK_NOT_IMPLEMENTED(cuda_engine_, "hca ", name, ": the nccl algorithm has no engine for CUDA tensors "
+                                "(torch without NCCL, or no GPU when the group was created)");
+    return *cuda_engine_;
+  }
+  return *cpu_engine_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::packed_allreduce(std::vector<at::Tensor>& tensors,
+                                                                 const c10d::ReduceOp& op,
+                                                                 std::chrono::milliseconds timeout, bool async_op) {
+  std::vector<TensorDesc> descs;
+  for (const auto& t : tensors) {
+    const DType dtype = plan_dtype(t, "allreduce");
+    checked_reduce_op(op, dtype, "allreduce");
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "hca allreduce: tensors on ", t.device(), " and ",
+                      tensors[0].device(), " in one call");
+    descs.push_back({dtype, static_cast<size_t>(t.numel())});
+  }
+  DenseTensors dense(tensors);
+  auto packed = std::make_shared<nccl::PackedAllreduce>(engine_for(tensors[0], "allreduce"), dense.dense(),
+                                                        make_packs(descs, options_.packing), op, timeout);
+  auto body = [packed, dense = std::move(dense)] {
+    packed->finish();
+    dense.write_back();
+  };
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body));
+  executor_.submit(work, !async_op);
+  return work;
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
@@ -79,6 +121,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, std::v
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
+  if (passes_through()) return packed_allreduce(tensors, opts.reduceOp, timeout_or_default(opts.timeout), opts.asyncOp);
   const ReduceOp op = common_reduce_op(tensors, opts.reduceOp, "allreduce");
   DenseTensors dense(tensors);
   Step step{plan_allreduce(describe(tensors, "allreduce"), getSize(), options_), in_place(dense.dense()), op,
@@ -97,6 +140,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_coalesced(std::vector<
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
+  if (passes_through()) return engine_for(tensors[0], "broadcast").broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "hca broadcast: src ", opts.rootRank,
                     " is outside the group of ", getSize(), " ranks");
   DenseTensors dense(tensors);
@@ -112,6 +156,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
+  if (passes_through()) return engine_for(tensors[0], "reduce").reduce(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "hca reduce: dst ", opts.rootRank,
                     " is outside the group of ", getSize(), " ranks");
   const ReduceOp op = common_reduce_op(tensors, opts.reduceOp, "reduce");
@@ -142,6 +187,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vecto
                                                           const c10d::AllgatherOptions& opts) {
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
                     "output list, got ", inputs.size(), " and ", outputs.size());
+  if (passes_through()) return engine_for(inputs[0], "allgather").allgather(outputs, inputs, opts);
   const at::Tensor& input = inputs[0];
   auto& list = outputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), "hca allgather: the output list has ", list.size(),
@@ -165,6 +211,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vecto
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
+  if (passes_through()) return engine_for(input, "allgather_into_tensor")._allgather_base(output, input, opts);
   std::vector<at::Tensor> outputs{output}, inputs{input};
   return allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
@@ -174,6 +221,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(
                                                                                 const c10d::AllgatherOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca allgather_into_tensor: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
+  check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
+  if (passes_through()) return engine_for(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outputs, inputs, opts);
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DenseTensors dense(all);
@@ -202,6 +251,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter(std::vector<at::T
                                                                const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
                     "and one input list");
+  if (passes_through()) return engine_for(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, opts);
   TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(), "hca reduce_scatter: the input list has ",
                     inputs[0].size(), " tensors, expected one per rank (", getSize(), ")");
   for (const auto& in : inputs[0]) {
@@ -216,6 +266,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
+  if (passes_through()) return engine_for(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
   std::vector<at::Tensor> outputs{output}, inputs{input};
   return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
@@ -224,6 +275,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca reduce_scatter_tensor: ", outputs.size(),
                     " outputs for ", inputs.size(), " inputs");
+  check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
+  if (passes_through()) {
+    return engine_for(inputs[0], "reduce_scatter_tensor").reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   DenseTensors dense(all);
@@ -237,6 +292,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptions& opts) {
+  if (passes_through()) return cpu_engine_->barrier(opts);
   std::vector<Step> steps(1);
   steps[0].signature = signature("barrier", "");
   return launch(c10d::OpType::BARRIER, std::move(steps), DenseTensors({}), {}, timeout_or_default(opts.timeout),

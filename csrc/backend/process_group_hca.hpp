@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "../plan/plan.h"
+#include "../transport/nccl/passthrough.hpp"
 #include "../transport/shm/transport.h"
 #include "store_rendezvous.hpp"
 #include "tensor_args.hpp"
@@ -17,8 +18,11 @@ namespace hca {
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
+  // `cpu_engine` / `cuda_engine`: the stock backends of the `nccl` algorithm
+  // (null otherwise; a null CUDA engine means CUDA tensors are refused).
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  std::chrono::milliseconds timeout, PlanOptions options, size_t chunk_bytes);
+                  std::chrono::milliseconds timeout, PlanOptions options, size_t chunk_bytes,
+                  c10::intrusive_ptr<c10d::Backend> cpu_engine, c10::intrusive_ptr<c10d::Backend> cuda_engine);
 
   const std::string getBackendName() const override { return "hca"; }
   const PlanOptions& options() const { return options_; }
@@ -71,11 +75,16 @@ class ProcessGroupHCA : public c10d::Backend {
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
   std::string signature(const char* name, const std::string& details) const;
+  bool passes_through() const { return options_.algorithm == Algorithm::Nccl; }
+  c10d::Backend& engine_for(const at::Tensor& tensor, const char* name) const;
+  c10::intrusive_ptr<c10d::Work> packed_allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+                                                  std::chrono::milliseconds timeout, bool async_op);
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
 
   PlanOptions options_;
   std::chrono::milliseconds timeout_;
-  std::unique_ptr<shm::Transport> shm_;
+  std::unique_ptr<shm::Transport> shm_;  // null in pass-through mode
+  c10::intrusive_ptr<c10d::Backend> cpu_engine_, cuda_engine_;
   Executor executor_;  // last: its worker stops before the transport goes
 };
 

@@ -5,11 +5,16 @@
 namespace hca {
 
 DType checked_dtype(const at::Tensor& tensor, const char* op) {
+  const DType dtype = plan_dtype(tensor, op);
+  TORCH_CHECK_NOT_IMPLEMENTED(tensor.device().is_cpu(), "hca ", op, ": tensors on ", tensor.device(),
+                              " are not supported by this build (CPU tensors only)");
+  return dtype;
+}
+
+DType plan_dtype(const at::Tensor& tensor, const char* op) {
   TORCH_CHECK_VALUE(tensor.defined(), "hca ", op, ": got an undefined tensor");
   TORCH_CHECK_VALUE(tensor.layout() == at::kStrided, "hca ", op, ": ", tensor.layout(),
                     " tensors are not supported (dense tensors only)");
-  TORCH_CHECK_NOT_IMPLEMENTED(tensor.device().is_cpu(), "hca ", op, ": tensors on ", tensor.device(),
-                              " are not supported by this build (CPU tensors only)");
   switch (tensor.scalar_type()) {
     case at::kFloat: return DType::F32;
     case at::kDouble: return DType::F64;

@@ -12,7 +12,9 @@
 
 namespace hca {
 
-// Checks one tensor argument of `op`: dense, on the CPU, a supported dtype.
+// Checks one tensor argument of `op`: dense, a supported dtype.
+DType plan_dtype(const at::Tensor& tensor, const char* op);
+// The same, on the CPU (the only device of the shared-memory transport).
 DType checked_dtype(const at::Tensor& tensor, const char* op);
 // The plan's op for a torch ReduceOp on `dtype`, or a ValueError.
 ReduceOp checked_reduce_op(const c10d::ReduceOp& op, DType dtype, const char* name);

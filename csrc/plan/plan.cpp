@@ -40,9 +40,12 @@ std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int
   const Groups& groups = groups_or_default(options, world, storage);
   std::vector<PackPlan> plan;
   for (auto& pack : make_packs(tensors, options.packing)) {
-    Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
-                            ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
-                            : hierarchical_allreduce(groups, world, pack.index);
+    Schedule schedule;
+    if (options.algorithm == Algorithm::ReduceToOneDevice) {
+      schedule = one_device_allreduce(world, std::max(options.reduce_to_device, 0));
+    } else if (options.algorithm == Algorithm::HierarchicalCopy) {
+      schedule = hierarchical_allreduce(groups, world, pack.index);
+    }  // Nccl: the engine reduces each pack; the plan is the packing alone.
     plan.push_back({std::move(pack), std::move(schedule)});
   }
   return plan;

@@ -1,0 +1,32 @@
+// The `nccl` algorithm: torch_hca's packing in front of an existing engine
+// (ProcessGroupNCCL for CUDA tensors, ProcessGroupGloo for CPU tensors). The
+// packs are concatenated here, all-reduced by the engine, and copied back.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <vector>
+
+#include "../../plan/packing.h"
+
+namespace hca::nccl {
+
+// One packed allreduce, issued to the engine on construction (so engine calls
+// keep the caller's order); finish() waits for it and writes the results back.
+class PackedAllreduce {
+ public:
+  // `tensors` must be contiguous. AVG is run as SUM and divided once here:
+  // gloo has no AVG, and the seeds divide once after the sum anyway.
+  PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
+                  c10d::ReduceOp op, std::chrono::milliseconds timeout);
+  void finish();
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<Pack> packs_;
+  std::vector<at::Tensor> flats_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  bool average_;
+  int world_;
+};
+
+}  // namespace hca::nccl

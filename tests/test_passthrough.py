@@ -1,0 +1,79 @@
+"""The nccl algorithm: hca's packing in front of the stock engine (gloo for CPU tensors)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import run_ranks
+from reference import OPS, make_input, mismatch, reduce_reference
+
+# (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
+SPECS = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.float64, 1001), (torch.float32, 5),
+         (torch.float16, 300), (torch.float32, 20_000), (torch.int32, 1), (torch.float64, 3)]
+TINY = [(torch.float32, 3), (torch.int64, 2), (torch.float64, 4)]
+PACKINGS = {  # name: (options, batch)
+    "num_packs=1": (dict(num_packs=1), SPECS),
+    "num_packs=3": (dict(num_packs=3), SPECS),
+    "more packs than elements": (dict(num_packs=20), TINY),
+    "aggregate small": (dict(num_packs=0, agg_small_grads_max_bytes=4096, agg_small_grads_max_group=3), SPECS),
+    "no packing": (dict(num_packs=0), SPECS),
+}
+
+
+def _batches(rank, world):
+    errors, case = [], 0
+    for name, (packing, batch) in PACKINGS.items():
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl", **packing))
+        for op in ("SUM", "AVG", "MAX"):
+            specs = [(d, n) for d, n in batch if op != "AVG" or d.is_floating_point]
+            case += 1
+            inputs = [[make_input(case * 100 + i, r, n, d, op) for i, (d, n) in enumerate(specs)] for r in range(world)]
+            mine = [t.clone() for t in inputs[rank]]
+            torch_hca.batch_allreduce(mine, op=OPS[op], group=group)
+            for i, t in enumerate(mine):
+                want = reduce_reference([inputs[r][i] for r in range(world)], op)
+                errors.append(mismatch(f"{name} {op} tensor {i} {t.dtype}", t, want, world))
+        t = make_input(999, rank, 777, torch.float32, "SUM")
+        dist.all_reduce(t, group=group)  # one tensor through the plain entry point
+        errors.append(mismatch(f"{name} all_reduce", t, reduce_reference(
+            [make_input(999, r, 777, torch.float32, "SUM") for r in range(world)], "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_packing_branch_against_reference(world):
+    assert run_ranks(_batches, world) == [[]] * world
+
+
+def _forwarded(rank, world):
+    """Everything but allreduce goes straight to the engine."""
+    errors = []
+    inputs = [make_input(5, r, 100, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.broadcast(t, src=world - 1)
+    errors.append(mismatch("broadcast", t, inputs[world - 1], world))
+    outs = [torch.empty(100) for _ in range(world)]
+    dist.all_gather(outs, inputs[rank])
+    errors += [mismatch(f"all_gather {r}", outs[r], inputs[r], world) for r in range(world)]
+    t = inputs[rank].clone()
+    dist.reduce(t, dst=0)
+    if rank == 0:
+        errors.append(mismatch("reduce", t, reduce_reference(inputs, "SUM"), world))
+    dist.barrier()
+    ops = torch_hca.AllReduceCrossDeviceOps("nccl", num_packs=2)
+    summed = ops.batch_reduce("mean", [inputs[rank], inputs[rank][:7]])
+    errors.append(mismatch("tf mean", summed[0], reduce_reference(inputs, "AVG"), world))
+    errors.append(mismatch("tf mean slice", summed[1], reduce_reference([x[:7] for x in inputs], "AVG"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_other_collectives_reach_the_engine(world):
+    assert run_ranks(_forwarded, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
+
+
+def test_tf_style_argument_check():
+    with pytest.raises(ValueError, match="all_reduce_alg"):
+        torch_hca.AllReduceCrossDeviceOps(all_reduce_alg="ring")
+    with pytest.raises(ValueError, match="num_packs"):
+        torch_hca.AllReduceCrossDeviceOps(num_packs=-2)
