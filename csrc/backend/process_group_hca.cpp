@@ -118,18 +118,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, std::v
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_in_place(c10d::OpType type, std::vector<at::Tensor>& tensors,
+                                                                std::vector<PackPlan> plan, ReduceOp op,
+                                                                std::string signature,
+                                                                std::chrono::milliseconds timeout, bool async_op) {
+  DenseTensors dense(tensors);
+  std::vector<Step> steps(1);
+  steps[0] = {std::move(plan), in_place(dense.dense()), op, std::move(signature)};
+  return launch(type, std::move(steps), std::move(dense), tensors, timeout_or_default(timeout), async_op);
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (passes_through()) return packed_allreduce(tensors, opts.reduceOp, timeout_or_default(opts.timeout), opts.asyncOp);
   const ReduceOp op = common_reduce_op(tensors, opts.reduceOp, "allreduce");
-  DenseTensors dense(tensors);
-  Step step{plan_allreduce(describe(tensors, "allreduce"), getSize(), options_), in_place(dense.dense()), op,
-            signature("allreduce", describe_tensors(tensors) + ", " + op_name(op))};
-  std::vector<Step> steps;
-  steps.push_back(std::move(step));
-  return launch(c10d::OpType::ALLREDUCE, std::move(steps), std::move(dense), tensors,
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return launch_in_place(c10d::OpType::ALLREDUCE, tensors,
+                         plan_allreduce(describe(tensors, "allreduce"), getSize(), options_), op,
+                         signature("allreduce", describe_tensors(tensors) + ", " + op_name(op)), opts.timeout,
+                         opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -143,14 +150,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
   if (passes_through()) return engine_for(tensors[0], "broadcast").broadcast(tensors, opts);
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "hca broadcast: src ", opts.rootRank,
                     " is outside the group of ", getSize(), " ranks");
-  DenseTensors dense(tensors);
-  Step step{plan_broadcast(describe(tensors, "broadcast"), getSize(), static_cast<int>(opts.rootRank)),
-            in_place(dense.dense()), ReduceOp::Sum,
-            signature("broadcast", describe_tensors(tensors) + ", src=" + std::to_string(opts.rootRank))};
-  std::vector<Step> steps;
-  steps.push_back(std::move(step));
-  return launch(c10d::OpType::BROADCAST, std::move(steps), std::move(dense), tensors,
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return launch_in_place(c10d::OpType::BROADCAST, tensors,
+                         plan_broadcast(describe(tensors, "broadcast"), getSize(), static_cast<int>(opts.rootRank)),
+                         ReduceOp::Sum,
+                         signature("broadcast", describe_tensors(tensors) + ", src=" + std::to_string(opts.rootRank)),
+                         opts.timeout, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& tensors,
@@ -160,15 +164,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(), "hca reduce: dst ", opts.rootRank,
                     " is outside the group of ", getSize(), " ranks");
   const ReduceOp op = common_reduce_op(tensors, opts.reduceOp, "reduce");
-  DenseTensors dense(tensors);
-  Step step{plan_reduce(describe(tensors, "reduce"), getSize(), static_cast<int>(opts.rootRank), options_),
-            in_place(dense.dense()), op,
-            signature("reduce", describe_tensors(tensors) + ", " + op_name(op) + ", dst=" +
-                                    std::to_string(opts.rootRank))};
-  std::vector<Step> steps;
-  steps.push_back(std::move(step));
-  return launch(c10d::OpType::REDUCE, std::move(steps), std::move(dense), tensors,
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return launch_in_place(
+      c10d::OpType::REDUCE, tensors,
+      plan_reduce(describe(tensors, "reduce"), getSize(), static_cast<int>(opts.rootRank), options_), op,
+      signature("reduce", describe_tensors(tensors) + ", " + op_name(op) + ", dst=" + std::to_string(opts.rootRank)),
+      opts.timeout, opts.asyncOp);
 }
 
 ProcessGroupHCA::Step ProcessGroupHCA::allgather_step(const at::Tensor& output, const at::Tensor& input,

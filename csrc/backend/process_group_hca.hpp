@@ -74,6 +74,10 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<Step> steps, DenseTensors dense,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
+  // One step over `tensors`, read and written in place (allreduce, broadcast, reduce).
+  c10::intrusive_ptr<c10d::Work> launch_in_place(c10d::OpType type, std::vector<at::Tensor>& tensors,
+                                                 std::vector<PackPlan> plan, ReduceOp op, std::string signature,
+                                                 std::chrono::milliseconds timeout, bool async_op);
   std::string signature(const char* name, const std::string& details) const;
   bool passes_through() const { return options_.algorithm == Algorithm::Nccl; }
   c10d::Backend& engine_for(const at::Tensor& tensor, const char* name) const;
