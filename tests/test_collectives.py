@@ -154,6 +154,29 @@ def _odd_shapes(rank, world):
     return [e for e in errors if e]
 
 
+def _coalescing_manager(rank, world):
+    """torch's coalescing manager routes a run of all_reduce calls to allreduce_coalesced."""
+    errors = []
+    for async_ops in (True, False):
+        inputs = [[make_input(70 + i, r, n, torch.float32, "SUM") for i, n in enumerate((10, 1, 5000))]
+                  for r in range(world)]
+        mine = [t.clone() for t in inputs[rank]]
+        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=async_ops) as cm:
+            for t in mine:
+                dist.all_reduce(t)
+        if async_ops:
+            cm.wait()
+        for i, t in enumerate(mine):
+            want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")
+            errors.append(mismatch(f"coalesced async={async_ops} {i}", t, want, world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_coalescing_manager(world):
+    assert run_ranks(_coalescing_manager, world) == [[]] * world
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_views_empty_async_and_objects(world):
     assert run_ranks(_odd_shapes, world) == [[]] * world
