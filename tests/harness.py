@@ -33,15 +33,17 @@ def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, pg_timeout_s=60.0,
-              deadline_s=240.0, allow_missing=()):
+def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, env_per_rank=None,
+              pg_timeout_s=60.0, deadline_s=240.0, allow_missing=()):
     """Returns [fn's value on rank 0, ..., rank N-1]; raises RankFailed with the tracebacks
-    of failed ranks. Ranks in `allow_missing` may die without a result (value None)."""
+    of failed ranks. `env_per_rank` adds variables rank by rank. Ranks in `allow_missing` may
+    end without a result (value None)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, env, pg_timeout_s,
+        envs = [{**(env or {}), **(env_per_rank[r] if env_per_rank else {})} for r in range(world_size)]
+        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, envs[r], pg_timeout_s,
                                                   args, results), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()

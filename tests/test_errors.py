@@ -127,3 +127,15 @@ def test_missing_rank_times_out_with_its_name():
     msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3)[0]
     assert "allreduce" in msg and "rank 1" in msg and "timed out" in msg, msg
     assert 2.5 < elapsed < 3 + 5
+
+
+def _first_allreduce(rank, world):
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_different_chunk_sizes_across_ranks_fail_at_init():
+    with pytest.raises(RankFailed, match="TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank"):
+        run_ranks(_first_allreduce, 2, env_per_rank=[{}, {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}], pg_timeout_s=5,
+                  allow_missing=(0,))

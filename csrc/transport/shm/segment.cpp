@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -77,9 +78,16 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t
     }
     int fd = shm_open(name.c_str(), O_RDWR, 0600);
     if (fd < 0) fail("shm_open " + name, errno);
-    base_ = map(fd, bytes);
+    struct stat st {};
+    const bool same_size = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    if (same_size) base_ = map(fd, bytes);
     close(fd);
-    rendezvous.add("hca_shm_attached", 1);
+    rendezvous.add("hca_shm_attached", 1);  // counted either way: rank 0 must not wait for us
+    if (!same_size) {
+      throw std::runtime_error("hca shared memory: rank 0 sized the segment to " + std::to_string(st.st_size) +
+                               " bytes and rank " + std::to_string(rank) + " expects " + std::to_string(bytes) +
+                               ": TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank");
+    }
   }
 }
 
