@@ -79,13 +79,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::packed_allreduce(std::vector<at:
   DenseTensors dense(tensors);
   auto packed = std::make_shared<nccl::PackedAllreduce>(engine_for(tensors[0], "allreduce"), dense.dense(),
                                                         make_packs(descs, options_.packing), op, timeout);
-  auto body = [packed, dense = std::move(dense)] {
+  return submit(c10d::OpType::ALLREDUCE, tensors, async_op, [packed, dense = std::move(dense)] {
     packed->finish();
     dense.write_back();
-  };
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body));
-  executor_.submit(work, !async_op);
-  return work;
+  });
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
@@ -103,7 +100,7 @@ std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milli
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, std::vector<Step> steps, DenseTensors dense,
                                                        std::vector<at::Tensor> outputs,
                                                        std::chrono::milliseconds timeout, bool async_op) {
-  auto body = [this, steps = std::move(steps), dense = std::move(dense), timeout] {
+  return submit(type, std::move(outputs), async_op, [this, steps = std::move(steps), dense = std::move(dense), timeout] {
     for (const auto& step : steps) {
       try {
         shm_->run({&step.plan, step.spans, step.op, step.signature, timeout});
@@ -112,7 +109,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, std::v
       }
     }
     dense.write_back();
-  };
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                       bool async_op, std::function<void()> body) {
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body));
   executor_.submit(work, !async_op);
   return work;

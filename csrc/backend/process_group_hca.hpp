@@ -74,6 +74,9 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<Step> steps, DenseTensors dense,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
+  // A Work running `body` on the executor (inline for a blocking call with nothing queued).
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
+                                        std::function<void()> body);
   // One step over `tensors`, read and written in place (allreduce, broadcast, reduce).
   c10::intrusive_ptr<c10d::Work> launch_in_place(c10d::OpType type, std::vector<at::Tensor>& tensors,
                                                  std::vector<PackPlan> plan, ReduceOp op, std::string signature,

@@ -200,7 +200,7 @@ void Transport::run_round(const Collective& collective, const std::vector<Piece>
   }
   slot(rank_).progress.store(progress_value(r, 1), std::memory_order_release);
 
-  std::vector<const void*> sources;
+  std::vector<const void*> sources, at_span;
   for (size_t s = 0; s < steps; ++s) {
     for (const Piece& piece : round) {
       const auto& [pack, schedule] = plan[piece.pack];
@@ -226,7 +226,7 @@ void Transport::run_round(const Collective& collective, const std::vector<Piece>
           reduce_into(pack.dtype, collective.op, staged, staged, sources.data(), sources.size(), piece.count);
         } else {
           // Per span of the caller's tensors: read the input and/or write the output in the same pass.
-          std::vector<const void*> at_span(sources.size());
+          at_span.resize(sources.size());
           for_each_span(pack, collective.tensors, piece.begin, piece.count, [&](const char* in, char* out, size_t at, size_t n) {
             for (size_t i = 0; i < sources.size(); ++i) at_span[i] = static_cast<const char*>(sources[i]) + at * es;
             reduce_into(pack.dtype, collective.op, staged + at * es, fused ? in : staged + at * es, at_span.data(),
