@@ -26,7 +26,7 @@ setup(
     ext_modules=[
         CppExtension(
             "torch_hca._C",
-            sources("plan", "transport/shm", "transport/nccl", "backend"),
+            sources("plan", "transport", "transport/control", "transport/shm", "transport/nccl", "backend"),
             extra_compile_args=["-O3", "-std=c++17"],
             libraries=["rt"],
         )

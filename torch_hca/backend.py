@@ -3,32 +3,26 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .options import Options, shm_chunk_bytes
+from .options import Options, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
 
 def create_backend(dist_backend_opts, backend_options):
-    """torch's creator hook (extended API): one ProcessGroupHCA per process group."""
+    """torch's creator hook (extended API): one backend per process group. `nccl` is a wrapper
+    around stock engines; the other algorithms run hca's own executors."""
     options = Options.from_env() if backend_options is None else backend_options
     if not isinstance(options, Options):
         raise TypeError(f"hca: pg_options must be torch_hca.Options, got {type(options).__name__}")
-    cpu_engine, cuda_engine = _engines(dist_backend_opts) if options.algorithm == "nccl" else (None, None)
-    return _C.ProcessGroupHCA(
-        store=dist_backend_opts.store,
-        rank=dist_backend_opts.group_rank,
-        size=dist_backend_opts.group_size,
-        timeout_ms=int(dist_backend_opts.timeout.total_seconds() * 1000),
-        algorithm=options.algorithm,
-        num_packs=options.num_packs,
-        reduce_to_device=-1 if options.reduce_to_device is None else options.reduce_to_device,
-        groups=[list(g) for g in options.groups or ()],
-        agg_small_grads_max_bytes=options.agg_small_grads_max_bytes,
-        agg_small_grads_max_group=options.agg_small_grads_max_group,
-        chunk_bytes=shm_chunk_bytes(),
-        cpu_engine=cpu_engine,
-        cuda_engine=cuda_engine,
-    )
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    timeout_ms = int(dist_backend_opts.timeout.total_seconds() * 1000)
+    if options.algorithm == "nccl":
+        cpu_engine, cuda_engine = _engines(dist_backend_opts)
+        return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
+                                     cpu_engine=cpu_engine, cuda_engine=cuda_engine)
+    return _C.ProcessGroupHCA(store=dist_backend_opts.store, rank=rank, size=size, timeout_ms=timeout_ms,
+                              options=options.plan_options(), shm_slot_bytes=shm_chunk_bytes(),
+                              shm_slots=shm_slots())
 
 
 def _engines(dist_backend_opts):

@@ -9,16 +9,20 @@ import dataclasses
 from typing import List, Optional, Sequence
 
 from . import _C
-from .options import Options
+from .options import Options, shm_chunk_bytes
 
 
 @dataclasses.dataclass
 class Plan:
     """packs: one dict per pack (index, dtype, numel, segments, steps, result_ranks);
-    each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy"."""
+    each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy".
+    roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct).
+    rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`."""
 
     packs: List[dict]
     text: str
+    roles: List[List[dict]] = dataclasses.field(default_factory=list)
+    rounds: List[List[tuple]] = dataclasses.field(default_factory=list)
 
     def leaders(self) -> List[int]:
         """The rank that ends each pack's reduction (the last reduce edge's destination)."""
@@ -44,17 +48,22 @@ def explain(
     agg_small_grads_max_bytes: int = 0,
     agg_small_grads_max_group: int = 10,
     verbose: bool = False,
+    slot_bytes: Optional[int] = None,
 ) -> Plan:
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
-    who reduces or copies which elements into whom, step by step. Prints it if verbose."""
+    who reduces or copies which elements into whom, step by step, each rank's role, and the
+    rounds that cut the packs to fit a staging slot of `slot_bytes` (default: the shared-memory
+    slot, TORCH_HCA_SHM_CHUNK_BYTES). For algorithm="nccl", the packing alone. Prints it if verbose."""
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group)
-    packs, text = _C.plan(
-        collective, world_size, [int(n) for n in numels], options.algorithm, options.num_packs,
-        -1 if options.reduce_to_device is None else options.reduce_to_device,
-        [list(g) for g in options.groups or ()], options.agg_small_grads_max_bytes,
-        options.agg_small_grads_max_group, root)
-    plan = Plan(list(packs), text)
+    numels = [int(n) for n in numels]
+    if algorithm == "nccl":
+        packs, text = _C.packs(numels, options.packing_options())
+        plan = Plan(list(packs), text)
+    else:
+        packs, text, roles, rounds = _C.plan(collective, world_size, numels, options.plan_options(), root,
+                                             shm_chunk_bytes() if slot_bytes is None else slot_bytes)
+        plan = Plan(list(packs), text, list(roles), [list(r) for r in rounds])
     if verbose:
         print(plan)
     return plan
@@ -70,10 +79,12 @@ def main(argv=None):
     parser.add_argument("--numels", default="1024", help="comma-separated tensor sizes")
     parser.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce", "broadcast"])
     parser.add_argument("--root", type=int, default=0)
+    parser.add_argument("--slot-bytes", type=int, help="staging slot size for the rounds (default: the shm slot)")
     args = parser.parse_args(argv)
     groups = [[int(r) for r in g.split(",")] for g in args.groups.split(";")] if args.groups else None
     explain(args.world_size, args.algorithm, args.num_packs, groups, args.reduce_to_device,
-            [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True)
+            [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True,
+            slot_bytes=args.slot_bytes)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
-"""Options of the `hca` backend, from `pg_options=Options(...)` or `TORCH_HCA_*` variables."""
+"""Options of the `hca` backend, from `pg_options=Options(...)` or `TORCH_HCA_*` variables.
+
+Python reads and types the values; their rules live once, in the C++ plan
+(`_C.PackingOptions`, `_C.PlanOptions`), which raises ValueError naming the option."""
 from __future__ import annotations
 
 import dataclasses
 import os
 from typing import Optional, Sequence
+
+from . import _C
 
 ALGORITHMS = ("hierarchical_copy", "reduce_to_one_device", "nccl")
 ENV_PREFIX = "TORCH_HCA_"
@@ -14,7 +19,8 @@ class Options:
     """How `hca` reduces. Checked here for what needs no world size; the world-dependent
     checks (`reduce_to_device`, `groups`) run when the process group is created.
 
-    algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl".
+    algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl" (hca's packing
+        in front of a stock engine: a wrapper backend, not a schedule).
     num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
     reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
         of `reduce`, else rank 0).
@@ -33,18 +39,35 @@ class Options:
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r} (expected one of {', '.join(ALGORITHMS)})")
-        _check_int("num_packs", self.num_packs, "HierarchicalCopy requires num_packs >= 0")
-        _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, "must be >= 0", limit=2**63 - 1)
-        _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group, "must be >= 0")
+        _check_int("num_packs", self.num_packs)
+        _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, limit=2**63 - 1)
+        _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group)
         if self.reduce_to_device is not None:
-            _check_int("reduce_to_device", self.reduce_to_device, "must be a rank (>= 0)")
+            _check_int("reduce_to_device", self.reduce_to_device)
         if self.groups is not None:
-            groups = tuple(tuple(g) for g in self.groups)
-            if not groups or any(not g for g in groups):
+            try:
+                groups = tuple(tuple(g) for g in self.groups)
+            except TypeError:
+                raise ValueError(f"groups: expected lists of ranks, got {self.groups!r}") from None
+            if not groups:
                 raise ValueError(f"groups: every group needs at least one rank, got {self.groups!r}")
             for rank in (r for g in groups for r in g):
-                _check_int("groups", rank, "ranks must be >= 0")
+                _check_int("groups", rank)
             object.__setattr__(self, "groups", groups)
+        self.packing_options()
+        if self.algorithm != "nccl":
+            self.plan_options()
+
+    def packing_options(self) -> "_C.PackingOptions":
+        """The packing, validated by the plan (ValueError naming the option)."""
+        return _C.PackingOptions(self.num_packs, self.agg_small_grads_max_bytes, self.agg_small_grads_max_group)
+
+    def plan_options(self) -> "_C.PlanOptions":
+        """Everything the plan needs, validated by it; the world-dependent rules run in `validate_for`."""
+        if self.algorithm == "nccl":
+            raise ValueError("algorithm: 'nccl' hands packs to a stock engine; it has no schedule")
+        return _C.PlanOptions(self.algorithm, self.packing_options(), self.reduce_to_device,
+                              [list(g) for g in self.groups or ()])
 
     @classmethod
     def from_env(cls, environ=None) -> "Options":
@@ -67,13 +90,12 @@ class Options:
             raise ValueError(f"from the environment: {e}") from None
 
 
-def _check_int(name, value, rule, limit=2**31 - 1):
+def _check_int(name, value, limit=2**31 - 1):
+    """Types only (the plan owns the rules): an int that fits the C++ field."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name}: {rule}, got {value}")
-    if value > limit:
-        raise ValueError(f"{name}: {value} is too large (at most {limit})")
+    if not -limit - 1 <= value <= limit:
+        raise ValueError(f"{name}: {value} is out of range (at most {limit} in magnitude)")
 
 
 def _parse(field, text):
@@ -84,14 +106,23 @@ def _parse(field, text):
     return int(text)
 
 
-def shm_chunk_bytes(environ=None) -> int:
-    """Bytes of one staging half per rank (TORCH_HCA_SHM_CHUNK_BYTES, default 128 KiB)."""
+def _env_int(name, default, minimum, environ):
     environ = os.environ if environ is None else environ
-    text = environ.get(ENV_PREFIX + "SHM_CHUNK_BYTES", "")
+    text = environ.get(ENV_PREFIX + name, "")
     try:
-        value = int(text) if text.strip() else 128 << 10
+        value = int(text) if text.strip() else default
     except ValueError:
-        raise ValueError(f"TORCH_HCA_SHM_CHUNK_BYTES={text!r}: expected an int") from None
-    if value < 4096:
-        raise ValueError(f"TORCH_HCA_SHM_CHUNK_BYTES={text!r}: must be >= 4096")
+        raise ValueError(f"{ENV_PREFIX}{name}={text!r}: expected an int") from None
+    if not minimum <= value <= 2**40:
+        raise ValueError(f"{ENV_PREFIX}{name}={text!r}: must be between {minimum} and 2**40")
     return value
+
+
+def shm_chunk_bytes(environ=None) -> int:
+    """Bytes of one staging slot per rank (TORCH_HCA_SHM_CHUNK_BYTES, default 128 KiB)."""
+    return _env_int("SHM_CHUNK_BYTES", 128 << 10, 4096, environ)
+
+
+def shm_slots(environ=None) -> int:
+    """Staging slots per rank, used as a ring (TORCH_HCA_SHM_SLOTS, default 2)."""
+    return _env_int("SHM_SLOTS", 2, 2, environ)

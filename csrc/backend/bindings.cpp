@@ -1,8 +1,11 @@
-// The Python module torch_hca._C: the backend's constructor for the creator
-// that torch_hca registers, and the plan for torch_hca.explain.
+// The Python module torch_hca._C: the options (validated here, once), the two
+// backend classes that torch_hca's creator picks between, and the plan for
+// torch_hca.explain.
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include "../plan/rounds.h"
+#include "passthrough_backend.hpp"
 #include "process_group_hca.hpp"
 
 namespace py = pybind11;
@@ -10,14 +13,14 @@ namespace py = pybind11;
 namespace hca {
 namespace {
 
-PlanOptions plan_options(const std::string& algorithm, int num_packs, int reduce_to_device, const Groups& groups,
-                         long long agg_small_grads_max_bytes, int agg_small_grads_max_group) {
-  PlanOptions options;
-  options.algorithm = parse_algorithm(algorithm);
-  options.packing = {num_packs, agg_small_grads_max_bytes, agg_small_grads_max_group};
-  options.reduce_to_device = reduce_to_device;
-  options.groups = groups;
-  return options;
+// std::invalid_argument from the plan surfaces as ValueError.
+template <class Fn>
+auto checked(Fn fn) {
+  try {
+    return fn();
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
 }
 
 py::list plan_to_python(const std::vector<PackPlan>& plan) {
@@ -42,14 +45,48 @@ py::list plan_to_python(const std::vector<PackPlan>& plan) {
   return packs;
 }
 
+py::list roles_to_python(const std::vector<PackPlan>& plan, int world) {
+  py::list ranks;
+  for (int r = 0; r < world; ++r) {
+    py::list roles;
+    for (const Role& role : roles_of(plan, r)) {
+      py::dict d;
+      d["stages"] = role.stages;
+      d["fused_step"] = role.fused_step;
+      d["result"] = role.result;
+      d["last_in"] = role.last_in;
+      d["direct"] = role.direct;
+      roles.append(d);
+    }
+    ranks.append(roles);
+  }
+  return ranks;
+}
+
+py::list rounds_to_python(const std::vector<Round>& rounds) {
+  py::list out;
+  for (const Round& round : rounds) {
+    py::list pieces;
+    for (const Piece& p : round) pieces.append(py::make_tuple(p.pack, p.begin, p.count, p.offset));
+    out.append(pieces);
+  }
+  return out;
+}
+
+std::vector<TensorDesc> float32_tensors(const std::vector<size_t>& numels) {
+  std::vector<TensorDesc> tensors;
+  for (size_t n : numels) tensors.push_back({DType::F32, n});
+  return tensors;
+}
+
 }  // namespace
 }  // namespace hca
 
 PYBIND11_MODULE(_C, m) {
   using namespace hca;
   py::module::import("torch.distributed");
-  // Plan errors (std::invalid_argument) and c10 value/type errors raised while
-  // constructing surface as ValueError/TypeError, as they do from collectives.
+  // c10 value/type errors raised while constructing surface as ValueError/TypeError,
+  // as they do from collectives.
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -64,45 +101,91 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  py::class_<PackingOptions>(m, "PackingOptions")
+      .def(py::init([](int num_packs, long long agg_bytes, int agg_group) {
+             PackingOptions packing{num_packs, agg_bytes, agg_group};
+             validate(packing);
+             return packing;
+           }),
+           py::arg("num_packs"), py::arg("agg_small_grads_max_bytes"), py::arg("agg_small_grads_max_group"))
+      .def_readonly("num_packs", &PackingOptions::num_packs)
+      .def_readonly("agg_small_grads_max_bytes", &PackingOptions::agg_small_grads_max_bytes)
+      .def_readonly("agg_small_grads_max_group", &PackingOptions::agg_small_grads_max_group);
+
+  py::class_<PlanOptions>(m, "PlanOptions")
+      .def(py::init([](const std::string& algorithm, const PackingOptions& packing,
+                       std::optional<int> reduce_to_device, const Groups& groups) {
+             PlanOptions options;
+             options.algorithm = parse_algorithm(algorithm);
+             options.packing = packing;
+             if (reduce_to_device && *reduce_to_device < 0) {
+               throw std::invalid_argument("reduce_to_device: must be a rank (>= 0), got " +
+                                           std::to_string(*reduce_to_device));
+             }
+             options.reduce_to_device = reduce_to_device.value_or(-1);
+             options.groups = groups;
+             validate(options);
+             return options;
+           }),
+           py::arg("algorithm"), py::arg("packing"), py::arg("reduce_to_device"), py::arg("groups"))
+      .def("validate_for", [](const PlanOptions& o, int world) { validate(o, world); }, py::arg("world_size"))
+      .def_property_readonly("algorithm", [](const PlanOptions& o) { return algorithm_name(o.algorithm); })
+      .def_readonly("packing", &PlanOptions::packing);
+
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
-                       const std::string& algorithm, int num_packs, int reduce_to_device, const Groups& groups,
-                       long long agg_bytes, int agg_group, size_t chunk_bytes,
+                       const PlanOptions& options, size_t shm_slot_bytes, int shm_slots) {
+             return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
+                                                         options, shm_slot_bytes, shm_slots);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
+           py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
+
+  py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
+      .def(py::init([](int rank, int size, int64_t timeout_ms, const PackingOptions& packing,
                        const c10::intrusive_ptr<c10d::Backend>& cpu_engine,
                        const c10::intrusive_ptr<c10d::Backend>& cuda_engine) {
-             return c10::make_intrusive<ProcessGroupHCA>(
-                 store, rank, size, std::chrono::milliseconds(timeout_ms),
-                 plan_options(algorithm, num_packs, reduce_to_device, groups, agg_bytes, agg_group), chunk_bytes,
-                 cpu_engine, cuda_engine);
+             return c10::make_intrusive<PassthroughBackend>(rank, size, std::chrono::milliseconds(timeout_ms), packing,
+                                                            cpu_engine, cuda_engine);
            }),
-           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("algorithm"),
-           py::arg("num_packs"), py::arg("reduce_to_device"), py::arg("groups"), py::arg("agg_small_grads_max_bytes"),
-           py::arg("agg_small_grads_max_group"), py::arg("chunk_bytes"), py::arg("cpu_engine") = py::none(),
+           py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
+      .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; });
 
   m.def("default_groups", &default_groups, py::arg("world_size"));
   m.def(
       "plan",
-      [](const std::string& collective, int world, const std::vector<size_t>& numels, const std::string& algorithm,
-         int num_packs, int reduce_to_device, const Groups& groups, long long agg_bytes, int agg_group, int root) {
-        const PlanOptions options = plan_options(algorithm, num_packs, reduce_to_device, groups, agg_bytes, agg_group);
-        if (world < 1) throw std::invalid_argument("world_size: must be >= 1, got " + std::to_string(world));
-        validate(options, world);
-        if (collective != "allreduce" && (root < 0 || root >= world)) {
-          throw std::invalid_argument("root: " + std::to_string(root) + " is outside the world of " +
-                                      std::to_string(world) + " ranks");
-        }
-        std::vector<TensorDesc> tensors;
-        for (size_t n : numels) tensors.push_back({DType::F32, n});
+      [](const std::string& collective, int world, const std::vector<size_t>& numels, const PlanOptions& options,
+         int root, size_t slot_bytes) {
+        return checked([&] {
+          if (world < 1) throw std::invalid_argument("world_size: must be >= 1, got " + std::to_string(world));
+          validate(options, world);
+          if (collective != "allreduce" && (root < 0 || root >= world)) {
+            throw std::invalid_argument("root: " + std::to_string(root) + " is outside the world of " +
+                                        std::to_string(world) + " ranks");
+          }
+          if (slot_bytes < element_size(DType::F64)) throw std::invalid_argument("slot_bytes: must be >= 8");
+          const auto tensors = float32_tensors(numels);
+          std::vector<PackPlan> plan;
+          if (collective == "allreduce") plan = plan_allreduce(tensors, world, options);
+          else if (collective == "reduce") plan = plan_reduce(tensors, world, root, options);
+          else if (collective == "broadcast") plan = plan_broadcast(tensors, world, root);
+          else throw std::invalid_argument("collective: expected allreduce, reduce or broadcast, got '" + collective + "'");
+          const auto rounds = cut_rounds(plan, slot_bytes);
+          const std::string text = explain(plan) + roles_text(plan, world) + "rounds of a " +
+                                   std::to_string(slot_bytes) + "-byte slot:\n" + rounds_text(rounds);
+          return py::make_tuple(plan_to_python(plan), text, roles_to_python(plan, world), rounds_to_python(rounds));
+        });
+      },
+      py::arg("collective"), py::arg("world_size"), py::arg("numels"), py::arg("options"), py::arg("root"),
+      py::arg("slot_bytes"));
+  m.def(
+      "packs",
+      [](const std::vector<size_t>& numels, const PackingOptions& packing) {
         std::vector<PackPlan> plan;
-        if (collective == "allreduce") plan = plan_allreduce(tensors, world, options);
-        else if (collective == "reduce") plan = plan_reduce(tensors, world, root, options);
-        else if (collective == "broadcast") plan = plan_broadcast(tensors, world, root);
-        else throw std::invalid_argument("collective: expected allreduce, reduce or broadcast, got '" + collective + "'");
+        for (auto& pack : make_packs(float32_tensors(numels), packing)) plan.push_back({std::move(pack), {}});
         return py::make_tuple(plan_to_python(plan), explain(plan));
       },
-      py::arg("collective"), py::arg("world_size"), py::arg("numels"), py::arg("algorithm"), py::arg("num_packs"),
-      py::arg("reduce_to_device"), py::arg("groups"), py::arg("agg_small_grads_max_bytes"),
-      py::arg("agg_small_grads_max_group"), py::arg("root"));
+      py::arg("numels"), py::arg("packing"));
 }

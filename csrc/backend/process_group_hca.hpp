@@ -1,6 +1,7 @@
-// ProcessGroupHCA: the c10d backend "hca". It checks arguments, asks the plan
-// for packs and schedules, and hands them to the transport of the tensors'
-// device on its ordered executor.
+// ProcessGroupHCA: the c10d backend "hca" for hierarchical_copy and
+// reduce_to_one_device. It reads each call's arguments once, asks the plan for
+// packs and schedules, and hands the collective to the executor of the
+// tensors' device, in call order, on its work queue.
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -8,21 +9,20 @@
 #include <memory>
 
 #include "../plan/plan.h"
-#include "../transport/nccl/passthrough.hpp"
-#include "../transport/shm/transport.h"
+#include "../transport/control/control_block.h"
+#include "../transport/executor.h"
+#include "call_args.hpp"
 #include "store_rendezvous.hpp"
-#include "tensor_args.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
-  // `cpu_engine` / `cuda_engine`: the stock backends of the `nccl` algorithm
-  // (null otherwise; a null CUDA engine means CUDA tensors are refused).
+  // `options` must have been validated (validate(options, size) runs again here).
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  std::chrono::milliseconds timeout, PlanOptions options, size_t chunk_bytes,
-                  c10::intrusive_ptr<c10d::Backend> cpu_engine, c10::intrusive_ptr<c10d::Backend> cuda_engine);
+                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots);
+  ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
   const PlanOptions& options() const { return options_; }
@@ -57,42 +57,26 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
- public:
-  // One transport call: a plan, where its tensors live, and what all ranks must agree on.
-  struct Step {
-    std::vector<PackPlan> plan;
-    std::vector<shm::TensorSpan> spans;
-    ReduceOp op = ReduceOp::Sum;
-    std::string signature;
-  };
- private:
-  Step allgather_step(const at::Tensor& output, const at::Tensor& input, const char* name) const;
-  Step reduce_scatter_step(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceOp& op,
-                           const char* name) const;
-  // Queues `steps` as one Work; `dense` holds the tensors they address and is
-  // written back to the caller's tensors afterwards.
-  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, std::vector<Step> steps, DenseTensors dense,
+  // The executor of `device`'s tensors, chosen here and nowhere else;
+  // NotImplementedError naming the device where this build has none.
+  Executor& executor_for(const at::Device& device, const char* op);
+  // Queues `collectives` (which address args' dense tensors) as one Work.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, CallArgs args, std::vector<Collective> collectives,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
-  // A Work running `body` on the executor (inline for a blocking call with nothing queued).
-  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
-                                        std::function<void()> body);
-  // One step over `tensors`, read and written in place (allreduce, broadcast, reduce).
-  c10::intrusive_ptr<c10d::Work> launch_in_place(c10d::OpType type, std::vector<at::Tensor>& tensors,
-                                                 std::vector<PackPlan> plan, ReduceOp op, std::string signature,
-                                                 std::chrono::milliseconds timeout, bool async_op);
-  std::string signature(const char* name, const std::string& details) const;
-  bool passes_through() const { return options_.algorithm == Algorithm::Nccl; }
-  c10d::Backend& engine_for(const at::Tensor& tensor, const char* name) const;
-  c10::intrusive_ptr<c10d::Work> packed_allreduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
-                                                  std::chrono::milliseconds timeout, bool async_op);
+  Collective collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op, const char* name,
+                        const std::string& details) const;
+  Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
+  Collective reduce_scatter_collective(const CallArgs& args, size_t output, size_t input, ReduceOp op) const;
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
 
   PlanOptions options_;
   std::chrono::milliseconds timeout_;
-  std::unique_ptr<shm::Transport> shm_;  // null in pass-through mode
-  c10::intrusive_ptr<c10d::Backend> cpu_engine_, cuda_engine_;
-  Executor executor_;  // last: its worker stops before the transport goes
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<ControlBlock> control_;
+  std::unique_ptr<Executor> shm_executor_;
+  std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
+  WorkQueue queue_;  // last: its worker stops before the executors go
 };
 
 }  // namespace hca

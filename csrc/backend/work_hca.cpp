@@ -27,9 +27,9 @@ void WorkHCA::execute() {
   }
 }
 
-Executor::Executor() : worker_([this] { loop(); }) {}
+WorkQueue::WorkQueue() : worker_([this] { loop(); }) {}
 
-Executor::~Executor() {
+WorkQueue::~WorkQueue() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
@@ -38,7 +38,7 @@ Executor::~Executor() {
   worker_.join();
 }
 
-void Executor::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
   std::unique_lock<std::mutex> running;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -54,7 +54,7 @@ void Executor::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) 
   work->execute();
 }
 
-void Executor::loop() {
+void WorkQueue::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });

@@ -1,4 +1,4 @@
-// Work objects and the ordered executor behind them: collectives run one at a
+// Work objects and the ordered queue behind them: collectives run one at a
 // time, in call order, on a worker thread (or inline for a blocking call with
 // nothing queued); each Work completes a Future, which DDP reads.
 #pragma once
@@ -30,10 +30,10 @@ class WorkHCA : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-class Executor {
+class WorkQueue {
  public:
-  Executor();
-  ~Executor();
+  WorkQueue();
+  ~WorkQueue();
   // Queues the work; a blocking call (run_inline) with nothing queued runs on
   // the caller's thread, which saves two thread hand-offs per collective.
   void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);

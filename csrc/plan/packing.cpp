@@ -72,7 +72,6 @@ std::vector<Pack> aggregate_small(const std::vector<TensorDesc>& tensors, size_t
 }  // namespace
 
 std::vector<Pack> make_packs(const std::vector<TensorDesc>& tensors, const PackingOptions& options) {
-  if (options.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
   std::vector<Pack> packs;
   if (options.num_packs > 0) {
     packs = concat_and_split(tensors, static_cast<size_t>(options.num_packs));

@@ -20,15 +20,29 @@ Schedule reduce_schedule(const PlanOptions& options, const Groups& groups, int w
 
 }  // namespace
 
+void validate(const PackingOptions& packing) {
+  if (packing.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
+  if (packing.agg_small_grads_max_bytes < 0) throw std::invalid_argument("agg_small_grads_max_bytes: must be >= 0");
+  if (packing.agg_small_grads_max_group < 0) throw std::invalid_argument("agg_small_grads_max_group: must be >= 0");
+}
+
+void validate(const PlanOptions& options) {
+  validate(options.packing);
+  if (options.reduce_to_device < -1) {
+    throw std::invalid_argument("reduce_to_device: must be a rank (>= 0), got " +
+                                std::to_string(options.reduce_to_device));
+  }
+  for (const auto& group : options.groups) {
+    if (group.empty()) throw std::invalid_argument("groups: every group needs at least one rank");
+    for (int r : group) {
+      if (r < 0) throw std::invalid_argument("groups: ranks must be >= 0, got " + std::to_string(r));
+    }
+  }
+}
+
 void validate(const PlanOptions& options, int world) {
-  if (options.packing.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
-  if (options.packing.agg_small_grads_max_bytes < 0) {
-    throw std::invalid_argument("agg_small_grads_max_bytes: must be >= 0");
-  }
-  if (options.packing.agg_small_grads_max_group < 0) {
-    throw std::invalid_argument("agg_small_grads_max_group: must be >= 0");
-  }
-  if (options.reduce_to_device < -1 || options.reduce_to_device >= world) {
+  validate(options);
+  if (options.reduce_to_device >= world) {
     throw std::invalid_argument("reduce_to_device: " + std::to_string(options.reduce_to_device) +
                                 " is outside the group of " + std::to_string(world) + " ranks");
   }
@@ -40,12 +54,9 @@ std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int
   const Groups& groups = groups_or_default(options, world, storage);
   std::vector<PackPlan> plan;
   for (auto& pack : make_packs(tensors, options.packing)) {
-    Schedule schedule;
-    if (options.algorithm == Algorithm::ReduceToOneDevice) {
-      schedule = one_device_allreduce(world, std::max(options.reduce_to_device, 0));
-    } else if (options.algorithm == Algorithm::HierarchicalCopy) {
-      schedule = hierarchical_allreduce(groups, world, pack.index);
-    }  // Nccl: the engine reduces each pack; the plan is the packing alone.
+    Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
+                            ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
+                            : hierarchical_allreduce(groups, world, pack.index);
     plan.push_back({std::move(pack), std::move(schedule)});
   }
   return plan;
@@ -99,7 +110,7 @@ std::string explain(const std::vector<PackPlan>& plan) {
     for (const auto& seg : pack.segments) {
       out << " " << seg.tensor << "[" << seg.offset << ":" << seg.offset + seg.numel << "]";
     }
-    out << ")\n" << describe(schedule);
+    out << ")\n" << steps_text(schedule);
   }
   return out.str();
 }

@@ -18,7 +18,10 @@ struct PlanOptions {
   Groups groups;              // empty: default_groups(world)
 };
 
-// Throws std::invalid_argument naming the bad option.
+// Each throws std::invalid_argument naming the bad option: the packing alone,
+// what needs no world size, and everything for a group of `world` ranks.
+void validate(const PackingOptions& packing);
+void validate(const PlanOptions& options);
 void validate(const PlanOptions& options, int world);
 
 struct PackPlan {

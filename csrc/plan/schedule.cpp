@@ -98,7 +98,7 @@ Schedule broadcast_schedule(int world, int src) {
   return schedule;
 }
 
-std::string describe(const Schedule& schedule) {
+std::string steps_text(const Schedule& schedule) {
   std::ostringstream out;
   for (size_t s = 0; s < schedule.steps.size(); ++s) {
     out << "step " << s + 1 << ":";

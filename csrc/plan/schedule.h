@@ -42,6 +42,6 @@ Schedule one_device_reduce(int world, int root);
 Schedule broadcast_schedule(int world, int src);
 
 // Human-readable steps, e.g. "step 1: reduce 1->0, 3->2".
-std::string describe(const Schedule& schedule);
+std::string steps_text(const Schedule& schedule);
 
 }  // namespace hca

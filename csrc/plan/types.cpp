@@ -44,17 +44,16 @@ const char* algorithm_name(Algorithm algorithm) {
   switch (algorithm) {
     case Algorithm::HierarchicalCopy: return "hierarchical_copy";
     case Algorithm::ReduceToOneDevice: return "reduce_to_one_device";
-    case Algorithm::Nccl: return "nccl";
   }
   return "?";
 }
 
 Algorithm parse_algorithm(const std::string& name) {
-  for (Algorithm a : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice, Algorithm::Nccl}) {
+  for (Algorithm a : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice}) {
     if (name == algorithm_name(a)) return a;
   }
   throw std::invalid_argument("algorithm: unknown algorithm '" + name +
-                              "' (expected hierarchical_copy, reduce_to_one_device or nccl)");
+                              "' (expected hierarchical_copy or reduce_to_one_device)");
 }
 
 }  // namespace hca

@@ -10,7 +10,8 @@ namespace hca {
 
 enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool };
 enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max };
-enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice, Nccl };
+// The schedules the plan knows (`nccl` is a wrapper backend, not a schedule).
+enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice };
 
 size_t element_size(DType dtype);
 const char* dtype_name(DType dtype);

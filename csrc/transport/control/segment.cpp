@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <thread>
 
-namespace hca::shm {
+namespace hca {
 namespace {
 
 std::string hostname() {
@@ -40,7 +40,9 @@ char* map(int fd, size_t bytes) {
 
 }  // namespace
 
-SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t bytes, int timeout_ms) : bytes_(bytes) {
+SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
+                             int timeout_ms, const std::function<void(char*)>& initialize, const std::string& size_hint)
+    : bytes_(bytes) {
   const std::string host = hostname();
   if (rank == 0) {
     const std::string name = fresh_name();
@@ -55,10 +57,11 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t
     }
     base_ = map(fd, bytes);
     close(fd);
-    rendezvous.set("hca_shm", host + "\n" + name);
+    initialize(base_);
+    rendezvous.set(key, host + "\n" + name);
     // Wait for every other rank to attach, then drop the name.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (rendezvous.add("hca_shm_attached", 0) < world - 1) {
+    while (rendezvous.add(key + "_attached", 0) < world - 1) {
       if (std::chrono::steady_clock::now() > deadline) {
         shm_unlink(name.c_str());
         munmap(base_, bytes_);
@@ -69,7 +72,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t
     }
     shm_unlink(name.c_str());
   } else {
-    const std::string published = rendezvous.get("hca_shm");
+    const std::string published = rendezvous.get(key);
     const size_t cut = published.find('\n');
     const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);
     if (owner_host != host) {
@@ -82,11 +85,11 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, int rank, int world, size_t
     const bool same_size = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
     if (same_size) base_ = map(fd, bytes);
     close(fd);
-    rendezvous.add("hca_shm_attached", 1);  // counted either way: rank 0 must not wait for us
+    rendezvous.add(key + "_attached", 1);  // counted either way: rank 0 must not wait for us
     if (!same_size) {
-      throw std::runtime_error("hca shared memory: rank 0 sized the segment to " + std::to_string(st.st_size) +
-                               " bytes and rank " + std::to_string(rank) + " expects " + std::to_string(bytes) +
-                               ": TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank");
+      throw std::runtime_error("hca shared memory: rank 0 sized the " + key + " segment to " +
+                               std::to_string(st.st_size) + " bytes and rank " + std::to_string(rank) + " expects " +
+                               std::to_string(bytes) + ": " + size_hint);
     }
   }
 }
@@ -95,4 +98,4 @@ SharedSegment::~SharedSegment() {
   if (base_) munmap(base_, bytes_);
 }
 
-}  // namespace hca::shm
+}  // namespace hca

@@ -4,19 +4,18 @@
 
 #include <cerrno>
 #include <fstream>
-#include <stdexcept>
 
-namespace hca::shm {
+namespace hca {
 
 void throw_timeout(const WaitContext& ctx, int peer) {
-  throw std::runtime_error("hca " + ctx.operation + ": timed out after " + std::to_string(ctx.timeout.count()) +
-                           " ms waiting for rank " + std::to_string(peer) +
-                           " (it never arrived, is stuck, or called a different collective)");
+  throw Failure(FailureKind::Timeout, ctx.operation, peer,
+                "timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
+                    std::to_string(peer) + " (it never arrived, is stuck, or called a different collective)");
 }
 
 void throw_dead(const WaitContext& ctx, int peer, int pid) {
-  throw std::runtime_error("hca " + ctx.operation + ": rank " + std::to_string(peer) + " (pid " +
-                           std::to_string(pid) + ") died during the collective");
+  throw Failure(FailureKind::PeerDied, ctx.operation, peer,
+                "rank " + std::to_string(peer) + " (pid " + std::to_string(pid) + ") died during the collective");
 }
 
 bool process_alive(int pid) {
@@ -31,4 +30,4 @@ bool process_alive(int pid) {
   return paren == std::string::npos || paren + 2 >= line.size() || (line[paren + 2] != 'Z' && line[paren + 2] != 'X');
 }
 
-}  // namespace hca::shm
+}  // namespace hca

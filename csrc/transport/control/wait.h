@@ -1,5 +1,5 @@
-// Waiting for another rank's progress word: spin a few hundred cycles, then yield, then
-// sleep with growing pauses, so ranks that outnumber cores back off instead of
+// Waiting for another rank: spin a few hundred cycles, then yield, then sleep
+// with growing pauses, so ranks that outnumber cores back off instead of
 // spinning a core away. Every wait has a deadline and notices a dead peer.
 #pragma once
 #include <sched.h>
@@ -8,17 +8,19 @@
 #include <string>
 #include <thread>
 
-namespace hca::shm {
+#include "failure.h"
+
+namespace hca {
 
 using Clock = std::chrono::steady_clock;
 
 struct WaitContext {
   Clock::time_point deadline;
-  std::string operation;  // for messages, e.g. "allreduce #12 (numel=...)"
+  std::string operation;  // for messages, e.g. "collective #12 allreduce(Float[10], SUM, ...)"
   std::chrono::milliseconds timeout;
 };
 
-// Throws std::runtime_error naming the operation and the rank.
+// Throw hca::Failure naming the operation and the rank.
 [[noreturn]] void throw_timeout(const WaitContext& ctx, int peer);
 [[noreturn]] void throw_dead(const WaitContext& ctx, int peer, int pid);
 // False once the process is gone or a zombie.
@@ -64,4 +66,4 @@ void wait_for(Ready ready, const WaitContext& ctx, int peer, int peer_pid) {
   }
 }
 
-}  // namespace hca::shm
+}  // namespace hca

@@ -1,0 +1,101 @@
+#include "call_args.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace hca {
+
+DType plan_dtype(at::ScalarType type, const char* op) {
+  switch (type) {
+    case at::kFloat: return DType::F32;
+    case at::kDouble: return DType::F64;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kChar: return DType::I8;
+    case at::kByte: return DType::U8;
+    case at::kInt: return DType::I32;
+    case at::kLong: return DType::I64;
+    case at::kBool: return DType::Bool;
+    default:
+      TORCH_CHECK_TYPE(false, "hca ", op, ": dtype ", type,
+                       " is not supported (float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
+  }
+}
+
+void check_nonempty(size_t count, const char* what, const char* op) {
+  TORCH_CHECK_VALUE(count > 0, "hca ", op, ": ", what, " is empty");
+}
+
+CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors) : name_(name), original_(tensors) {
+  descs_.reserve(tensors.size());
+  dense_.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    TORCH_CHECK_VALUE(t.defined(), "hca ", name, ": got an undefined tensor");
+    TORCH_CHECK_VALUE(t.layout() == at::kStrided, "hca ", name, ": ", t.layout(),
+                      " tensors are not supported (dense tensors only)");
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "hca ", name, ": tensors on ", t.device(), " and ",
+                      tensors[0].device(), " in one call");
+    descs_.push_back({plan_dtype(t.scalar_type(), name), static_cast<size_t>(t.numel())});
+    dense_.push_back(t.is_contiguous() ? t : t.contiguous());
+  }
+  if (!tensors.empty()) device_ = tensors[0].device();
+}
+
+std::string CallArgs::text(size_t first, size_t count) const {
+  std::string text;
+  for (size_t i = first; i < first + count; ++i) {
+    const auto type = original_[i].scalar_type();
+    if (i == first || type != original_[i - 1].scalar_type()) {
+      text += std::string(i > first ? "]," : "") + c10::toString(type) + "[";
+    } else {
+      text += "+";
+    }
+    text += std::to_string(original_[i].numel());
+  }
+  return text + "]";
+}
+
+ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op) const {
+  static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::Sum;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::Product;
+    case c10d::ReduceOp::MIN: return ReduceOp::Min;
+    case c10d::ReduceOp::MAX: return ReduceOp::Max;
+    case c10d::ReduceOp::AVG:
+      for (const auto& d : descs_) {
+        const bool floating = d.dtype == DType::F32 || d.dtype == DType::F64 || d.dtype == DType::F16 ||
+                              d.dtype == DType::BF16;
+        TORCH_CHECK_VALUE(floating, "hca ", name_, ": ReduceOp.AVG is not supported for ", dtype_name(d.dtype),
+                          " (floating dtypes only)");
+      }
+      return ReduceOp::Avg;
+    default: {
+      const auto index = static_cast<size_t>(op.op_);
+      TORCH_CHECK_VALUE(false, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
+                        " is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+    }
+  }
+}
+
+std::vector<TensorSpan> CallArgs::in_place(size_t first, size_t count) const {
+  std::vector<TensorSpan> spans;
+  spans.reserve(count);
+  for (size_t i = first; i < first + count; ++i) spans.push_back({dense_[i].data_ptr(), dense_[i].data_ptr()});
+  return spans;
+}
+
+void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what) const {
+  const auto& t = original_[i];
+  const auto& l = original_[like];
+  TORCH_CHECK_TYPE(t.scalar_type() == l.scalar_type(), "hca ", name_, ": ", what, " has dtype ", t.scalar_type(),
+                   " but the input has ", l.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == numel, "hca ", name_, ": ", what, " has ", t.numel(), " elements, expected ", numel);
+}
+
+void CallArgs::write_back() const {
+  for (size_t i = 0; i < original_.size(); ++i) {
+    if (!dense_[i].is_same(original_[i])) original_[i].copy_(dense_[i]);
+  }
+}
+
+}  // namespace hca

@@ -1,0 +1,50 @@
+// A call's tensors read once: each checked (dense layout, supported dtype, one
+// device), described for the plan, made addressable (contiguous copies of
+// non-contiguous tensors, written back afterwards), and summarised as text.
+// Errors become Python exceptions: TypeError for dtypes, ValueError for values.
+#pragma once
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <string>
+#include <vector>
+
+#include "../plan/packing.h"
+#include "../transport/executor.h"
+
+namespace hca {
+
+class CallArgs {
+ public:
+  // `tensors` are every tensor the call touches (outputs, then inputs).
+  CallArgs(const char* name, const std::vector<at::Tensor>& tensors);
+
+  const char* name() const { return name_; }
+  // The tensors' device (CPU for a call without tensors).
+  at::Device device() const { return device_; }
+  const std::vector<TensorDesc>& descs() const { return descs_; }
+  // The tensors the executor addresses: contiguous ones as given, others dense copies.
+  const std::vector<at::Tensor>& dense() const { return dense_; }
+  // "Float[3+4],Long[5]" for tensors [first, first + count).
+  std::string text(size_t first, size_t count) const;
+  // The plan's op for `op` on every tensor's dtype, or a ValueError.
+  ReduceOp reduce_op(const c10d::ReduceOp& op) const;
+  // Each of [first, first + count) read and written in place.
+  std::vector<TensorSpan> in_place(size_t first, size_t count) const;
+  // Checks tensor i against tensor `like`: same dtype, `numel` elements.
+  void check_like(size_t i, size_t like, int64_t numel, const char* what) const;
+  // Copies the dense results back into non-contiguous originals.
+  void write_back() const;
+
+ private:
+  const char* name_;
+  at::Device device_{at::kCPU};
+  std::vector<at::Tensor> original_, dense_;
+  std::vector<TensorDesc> descs_;
+};
+
+// The plan's element type for a tensor's dtype, or a TypeError naming it.
+DType plan_dtype(at::ScalarType type, const char* op);
+void check_nonempty(size_t count, const char* what, const char* op);
+
+}  // namespace hca

@@ -1,0 +1,109 @@
+#include "control_block.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <new>
+
+namespace hca {
+namespace {
+
+constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
+constexpr uint32_t kLayoutVersion = 2;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+}  // namespace
+
+ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chrono::milliseconds timeout)
+    : rank_(rank), world_(world), slots_offset_(round_up(sizeof(ControlHeader), kCacheLine)) {
+  const size_t bytes = round_up(slots_offset_ + sizeof(RankSlot) * static_cast<size_t>(world), 4096);
+  auto initialize = [&](char* base) {
+    auto* header = new (base) ControlHeader{kMagic, kLayoutVersion, world, sizeof(RankSlot)};
+    (void)header;
+    for (int r = 0; r < world; ++r) new (base + slots_offset_ + r * sizeof(RankSlot)) RankSlot{};
+  };
+  segment_ = std::make_unique<SharedSegment>(rendezvous, "hca_control", rank, world, bytes,
+                                             static_cast<int>(timeout.count()), initialize,
+                                             "every rank must run the same torch_hca build");
+  const auto& header = *reinterpret_cast<const ControlHeader*>(segment_->data());
+  if (header.magic != kMagic || header.version != kLayoutVersion || header.world != world ||
+      header.slot_bytes != sizeof(RankSlot)) {
+    throw std::runtime_error("hca: rank " + std::to_string(rank) + " found a control block of version " +
+                             std::to_string(header.version) + " for " + std::to_string(header.world) +
+                             " ranks with " + std::to_string(header.slot_bytes) + "-byte slots, expected version " +
+                             std::to_string(kLayoutVersion) + " for " + std::to_string(world) + " ranks with " +
+                             std::to_string(sizeof(RankSlot)) + "-byte slots: every rank must run the same build");
+  }
+  slot(rank).pid = static_cast<int32_t>(getpid());
+}
+
+RankSlot& ControlBlock::slot(int rank) const {
+  return reinterpret_cast<RankSlot*>(segment_->data() + slots_offset_)[rank];
+}
+
+void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
+  const RankSlot& theirs = slot(peer);
+  throw Failure(FailureKind::PeerFailed, ctx.operation, peer,
+                "rank " + std::to_string(peer) + " failed: " +
+                    std::string(theirs.failure, strnlen(theirs.failure, kSignatureBytes)));
+}
+
+template <class Ready>
+void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
+  const RankSlot& theirs = slot(peer);
+  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire); }, ctx, peer, theirs.pid);
+  if (!ready()) throw_peer_failed(peer, ctx);
+}
+
+void ControlBlock::wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const {
+  const auto& value = progress(peer, word);
+  await(peer, [&] { return reached(value.load(std::memory_order_acquire), at_least); }, ctx);
+}
+
+void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
+  const RankSlot& theirs = slot(peer);
+  if (theirs.failed.load(std::memory_order_acquire)) throw_peer_failed(peer, ctx);
+  if (!process_alive(theirs.pid)) throw_dead(ctx, peer, theirs.pid);
+  if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
+}
+
+WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milliseconds timeout) const {
+  const std::string operation = "collective #" + std::to_string(collectives_ + 1) + " " + signature;
+  const RankSlot& mine = slot(rank_);
+  if (mine.failed.load(std::memory_order_acquire)) {
+    throw Failure(FailureKind::Unusable, operation, -1,
+                  "this process group is unusable after an earlier error: " +
+                      std::string(mine.failure, strnlen(mine.failure, kSignatureBytes)));
+  }
+  return {Clock::now() + timeout, operation, timeout};
+}
+
+void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
+  const uint64_t n = ++collectives_;
+  RankSlot& mine = slot(rank_);
+  char* text = mine.signature[n % 2];
+  std::strncpy(text, signature.c_str(), kSignatureBytes - 1);
+  text[kSignatureBytes - 1] = '\0';
+  mine.started.store(n, std::memory_order_release);
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    const RankSlot& theirs = slot(peer);
+    await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
+    if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
+      throw Failure(FailureKind::Mismatch, "collective #" + std::to_string(n), peer,
+                    "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
+                        std::to_string(peer) + " called " + theirs.signature[n % 2]);
+    }
+  }
+}
+
+void ControlBlock::publish_failure(const Failure& failure) {
+  RankSlot& mine = slot(rank_);
+  if (mine.failed.load(std::memory_order_relaxed)) return;  // the first cause only
+  std::strncpy(mine.failure, failure.cause().c_str(), kSignatureBytes - 1);
+  mine.failure[kSignatureBytes - 1] = '\0';
+  mine.failed.store(static_cast<uint32_t>(failure.kind()), std::memory_order_release);
+}
+
+}  // namespace hca

@@ -1,0 +1,104 @@
+// The node's control block: one shared segment per process group, holding a
+// slot per rank that every executor of the node uses (shared memory and CUDA
+// alike): progress words, the signature of each collective, the pid, and the
+// cause of a failure. Waits on it have a deadline and notice dead peers.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "../rendezvous.h"
+#include "failure.h"
+#include "segment.h"
+#include "wait.h"
+
+namespace hca {
+
+constexpr size_t kSignatureBytes = 240;  // signatures and failure causes, NUL included
+constexpr size_t kCacheLine = 128;       // covers adjacent-line prefetch too
+
+// One progress word per medium: a CPU collective must not see the words a
+// CUDA stream is still writing for an earlier collective.
+enum class ProgressWord : int { Host = 0, Cuda = 1 };
+constexpr int kProgressWords = 2;
+
+// Progress values are 32-bit counters compared cyclically, as CUDA stream
+// memory operations compare them (wait until (int32_t)(value - at_least) >= 0).
+inline bool reached(uint32_t value, uint32_t at_least) { return static_cast<int32_t>(value - at_least) >= 0; }
+
+struct alignas(kCacheLine) ProgressLine {
+  std::atomic<uint32_t> value;
+};
+
+// One writer per slot (its rank); everyone else only reads it.
+struct alignas(kCacheLine) RankSlot {
+  ProgressLine progress[kProgressWords];
+  // Collectives started; the description of collective n sits in signature[n % 2].
+  std::atomic<uint64_t> started;
+  int32_t pid;
+  char signature[2][kSignatureBytes];
+  // The FailureKind of this rank's first failure (0 while healthy) and its cause.
+  std::atomic<uint32_t> failed;
+  char failure[kSignatureBytes];
+};
+
+struct alignas(kCacheLine) ControlHeader {
+  uint64_t magic;
+  uint32_t version;
+  int32_t world;
+  uint64_t slot_bytes;
+};
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "the control block's words are shared between processes: they must be lock-free");
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "progress words are 32-bit: CUDA stream operations address them");
+static_assert(sizeof(RankSlot) % kCacheLine == 0 && alignof(RankSlot) == kCacheLine, "slots must not share lines");
+static_assert(sizeof(ControlHeader) == kCacheLine, "the header fills one line");
+
+class ControlBlock {
+ public:
+  // Rank 0 creates the segment and writes the header; the others attach and
+  // check it (magic, layout version, world, slot size).
+  ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chrono::milliseconds timeout);
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+
+  // The wait context of this rank's next collective (its number, signature and
+  // deadline); throws Failure(Unusable) once this rank has failed before.
+  WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout) const;
+  // Posts this rank's next collective and waits until every peer has posted
+  // the same: throws Failure(Mismatch) naming both calls otherwise.
+  void start(const std::string& signature, const WaitContext& ctx);
+
+  std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
+    return slot(rank).progress[static_cast<int>(word)].value;
+  }
+  // Until `peer`'s word reaches `at_least` (cyclically); throws Failure on
+  // timeout, a dead peer, or a peer that published a failure.
+  void wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const;
+  // Throws the Failure a wait on `peer` would give now (dead, failed), else returns.
+  void check_peer(int peer, const WaitContext& ctx) const;
+  // Records this rank's first failure, so that ranks waiting on it report the cause.
+  void publish_failure(const Failure& failure);
+
+  // The mapping, for registering it with a device.
+  char* data() const { return segment_->data(); }
+  size_t size() const { return segment_->size(); }
+
+ private:
+  RankSlot& slot(int rank) const;
+  template <class Ready>
+  void await(int peer, Ready ready, const WaitContext& ctx) const;
+  [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
+
+  int rank_, world_;
+  size_t slots_offset_;
+  std::unique_ptr<SharedSegment> segment_;
+  uint64_t collectives_ = 0;  // collectives started by this rank
+};
+
+}  // namespace hca

@@ -1,0 +1,32 @@
+// One POSIX shared-memory segment for all ranks of a group on this node.
+#pragma once
+#include <cstddef>
+#include <functional>
+#include <string>
+
+#include "../rendezvous.h"
+
+namespace hca {
+
+class SharedSegment {
+ public:
+  // Rank 0 creates and sizes the segment, fills it with `initialize`, and
+  // publishes its name under `key`; the others attach. Rank 0 unlinks the name
+  // as soon as every rank has attached (or on failure), so nothing stays in
+  // /dev/shm even if a rank dies later. A rank that expects another size fails
+  // with `size_hint` in the message (which setting must agree across ranks).
+  SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes, int timeout_ms,
+                const std::function<void(char*)>& initialize, const std::string& size_hint);
+  ~SharedSegment();
+  SharedSegment(const SharedSegment&) = delete;
+  SharedSegment& operator=(const SharedSegment&) = delete;
+
+  char* data() const { return base_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+}  // namespace hca

@@ -1,0 +1,149 @@
+#include "round_runner.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace hca {
+namespace {
+
+// Calls fn(in, out, at, elements) for the parts of the pack's segments that fall
+// in [begin, begin + count), in order; `at` counts elements from `begin`.
+template <class Fn>
+void for_each_span(const Pack& pack, const std::vector<TensorSpan>& tensors, size_t begin, size_t count, Fn fn) {
+  const size_t es = element_size(pack.dtype);
+  size_t seg_start = 0;
+  for (const Segment& seg : pack.segments) {
+    const size_t lo = std::max(begin, seg_start), hi = std::min(begin + count, seg_start + seg.numel);
+    if (lo < hi) {
+      const size_t at = (seg.offset + lo - seg_start) * es;
+      const auto& t = tensors[seg.tensor];
+      fn(static_cast<const char*>(t.in) + at, static_cast<char*>(t.out) + at, lo - begin, hi - lo);
+    }
+    seg_start += seg.numel;
+    if (seg_start >= begin + count) break;
+  }
+}
+
+}  // namespace
+
+struct RoundRunner::RoundState {
+  const Collective& collective;
+  const Round& pieces;
+  const std::vector<Role>& roles;
+  uint64_t round;
+  char* mine;  // this rank's slot for the round
+  int divisor;
+};
+
+void RoundRunner::run(const Collective& collective, const WaitContext& ctx) {
+  const auto& plan = *collective.plan;
+  for (const auto& p : plan) {
+    if (p.schedule.steps.size() > kMaxSteps) throw std::logic_error("hca: a schedule has too many steps");
+  }
+  const auto roles = roles_of(plan, rank_);
+  const int divisor = collective.op == ReduceOp::Avg ? world_ : 1;
+  for (const Round& pieces : cut_rounds(plan, medium_.slot_bytes())) {
+    const uint64_t round = ++rounds_;
+    reuse_slot(round, ctx);
+    const RoundState state{collective, pieces, roles, round, medium_.staging(rank_, round), divisor};
+    stage_inputs(state);
+    medium_.signal(progress_value(round, 1));
+    size_t steps = 0;
+    for (const Piece& piece : pieces) steps = std::max(steps, plan[piece.pack].schedule.steps.size());
+    for (size_t s = 0; s < steps; ++s) {
+      run_step(state, s, ctx);
+      medium_.signal(progress_value(round, s + 2));
+    }
+    finish_round(state);
+  }
+}
+
+void RoundRunner::reuse_slot(uint64_t round, const WaitContext& ctx) {
+  // Our slot for this round last held round - slots, which peers read until
+  // they staged the round after it.
+  const uint64_t slots = static_cast<uint64_t>(medium_.slots());
+  if (round <= slots) return;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_) medium_.wait(peer, progress_value(round - slots + 1, 1), ctx);
+  }
+}
+
+void RoundRunner::stage_inputs(const RoundState& state) {
+  const auto& plan = *state.collective.plan;
+  for (const Piece& piece : state.pieces) {
+    if (!state.roles[piece.pack].stages) continue;
+    const Pack& pack = plan[piece.pack].pack;
+    const size_t es = element_size(pack.dtype);
+    for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
+                  [&](const char* in, char*, size_t at, size_t n) {
+                    medium_.copy(state.mine + piece.offset + at * es, in, n * es);
+                  });
+  }
+}
+
+void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext& ctx) {
+  const auto& plan = *state.collective.plan;
+  const ReduceOp op = state.collective.op;
+  for (const Piece& piece : state.pieces) {
+    const auto& [pack, schedule] = plan[piece.pack];
+    if (s >= schedule.steps.size()) continue;
+    const Role& role = state.roles[piece.pack];
+    const size_t es = element_size(pack.dtype);
+    const bool final_step = role.result && role.last_in == static_cast<int>(s);
+    char* staged = state.mine + piece.offset;
+    sources_.clear();
+    int copy_from = -1;
+    for (const Edge& e : schedule.steps[s]) {
+      if (e.dst != rank_) continue;
+      medium_.wait(e.src, progress_value(state.round, s + 1), ctx);
+      if (e.kind == EdgeKind::Reduce) {
+        sources_.push_back(medium_.staging(e.src, state.round) + piece.offset);
+      } else {
+        copy_from = e.src;
+      }
+    }
+    if (!sources_.empty()) {
+      const bool fused = role.fused_step == static_cast<int>(s);
+      if (!fused && !final_step) {
+        medium_.reduce(pack.dtype, op, staged, staged, sources_.data(), sources_.size(), piece.count, nullptr, 1);
+      } else {
+        // Per span of the caller's tensors: read the input and/or write the output in the same pass.
+        at_span_.resize(sources_.size());
+        for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
+                      [&](const char* in, char* out, size_t at, size_t n) {
+                        for (size_t i = 0; i < sources_.size(); ++i) {
+                          at_span_[i] = static_cast<const char*>(sources_[i]) + at * es;
+                        }
+                        medium_.reduce(pack.dtype, op, staged + at * es, fused ? in : staged + at * es,
+                                       at_span_.data(), at_span_.size(), n, final_step ? out : nullptr,
+                                       state.divisor);
+                      });
+      }
+    }
+    if (copy_from < 0) continue;
+    const char* from = medium_.staging(copy_from, state.round) + piece.offset;
+    if (!role.direct) medium_.copy(staged, from, piece.count * es);
+    if (final_step) {
+      for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
+                    [&](const char*, char* out, size_t at, size_t n) {
+                      medium_.scale_copy(pack.dtype, out, (role.direct ? from : staged) + at * es, n, state.divisor);
+                    });
+    }
+  }
+}
+
+void RoundRunner::finish_round(const RoundState& state) {
+  // A result rank that received nothing (broadcast's src, a world of one) outputs its input.
+  const auto& plan = *state.collective.plan;
+  for (const Piece& piece : state.pieces) {
+    const Role& role = state.roles[piece.pack];
+    if (!role.result || role.last_in >= 0) continue;
+    const Pack& pack = plan[piece.pack].pack;
+    for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
+                  [&](const char* in, char* out, size_t, size_t n) {
+                    medium_.scale_copy(pack.dtype, out, in, n, state.divisor);
+                  });
+  }
+}
+
+}  // namespace hca

@@ -1,0 +1,41 @@
+// Executes plans round by round over any Medium. Each rank stages its data in
+// its own slot; a Reduce or Copy edge src->dst is carried out by dst, which
+// reads src's slot once src's progress word says the step is done. A slot is
+// reused only after every peer has moved past the round that last filled it.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "../plan/rounds.h"
+#include "executor.h"
+#include "medium.h"
+
+namespace hca {
+
+// The progress value that says "round r, `steps_done` steps done" (1 = staged).
+// 32 bits wrap after 2^28 rounds, which the cyclic compare tolerates.
+inline uint32_t progress_value(uint64_t round, size_t steps_done) {
+  return static_cast<uint32_t>((round << 4) | steps_done);
+}
+constexpr size_t kMaxSteps = 14;  // steps_done + 1 must fit the 4 low bits
+
+class RoundRunner {
+ public:
+  RoundRunner(Medium& medium, int rank, int world) : medium_(medium), rank_(rank), world_(world) {}
+  // Issues every round of `collective` on the medium, in order.
+  void run(const Collective& collective, const WaitContext& ctx);
+
+ private:
+  struct RoundState;
+  void reuse_slot(uint64_t round, const WaitContext& ctx);
+  void stage_inputs(const RoundState& state);
+  void run_step(const RoundState& state, size_t step, const WaitContext& ctx);
+  void finish_round(const RoundState& state);
+
+  Medium& medium_;
+  int rank_, world_;
+  uint64_t rounds_ = 0;  // data rounds issued by this rank, over all collectives
+  std::vector<const void*> sources_, at_span_;
+};
+
+}  // namespace hca

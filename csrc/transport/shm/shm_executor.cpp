@@ -1,0 +1,60 @@
+#include "shm_executor.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace hca::shm {
+
+HostMedium::HostMedium(ControlBlock& control, char* region, size_t slot_bytes, int slots)
+    : control_(control), region_(region), slot_bytes_(slot_bytes), slots_(slots) {}
+
+char* HostMedium::staging(int rank, uint64_t round) const {
+  const size_t slot = static_cast<size_t>(rank) * slots_ + round % static_cast<uint64_t>(slots_);
+  return region_ + slot * slot_bytes_;
+}
+
+void HostMedium::copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+
+void HostMedium::reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc,
+                        size_t n, void* out, int divisor) {
+  reduce_into(dtype, op, dst, first, srcs, nsrc, n, out, divisor);
+}
+
+void HostMedium::scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) {
+  shm::scale_copy(dtype, dst, src, n, divisor);
+}
+
+void HostMedium::wait(int peer, uint32_t at_least, const WaitContext& ctx) {
+  control_.wait_progress(peer, ProgressWord::Host, at_least, ctx);
+}
+
+void HostMedium::signal(uint32_t value) {
+  control_.progress(control_.rank(), ProgressWord::Host).store(value, std::memory_order_release);
+}
+
+ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t slot_bytes, int slots,
+                         std::chrono::milliseconds timeout)
+    : control_(control) {
+  slot_bytes = (std::max<size_t>(slot_bytes, 4096) + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+  const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(control.world());
+  region_ = std::make_unique<SharedSegment>(
+      rendezvous, "hca_shm_staging", control.rank(), control.world(), bytes, static_cast<int>(timeout.count()),
+      [](char*) {}, "TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank");
+  medium_ = std::make_unique<HostMedium>(control, region_->data(), slot_bytes, slots);
+  runner_ = std::make_unique<RoundRunner>(*medium_, control.rank(), control.world());
+}
+
+void ShmExecutor::run(const Collective& collective) {
+  const WaitContext ctx = control_.begin(collective.signature, collective.timeout);
+  try {
+    control_.start(collective.signature, ctx);
+    runner_->run(collective, ctx);
+  } catch (const Failure& failure) {
+    control_.publish_failure(failure);
+    throw;
+  }
+}
+
+}  // namespace hca::shm
