@@ -11,6 +11,15 @@ OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.Reduc
        "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
 
 
+def rank_device(device, rank):
+    """The torch.device rank `rank` uses for `device`: CUDA ranks share the GPUs round-robin,
+    so that 2-4 ranks on one GPU run too."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
+
+
 def supported(dtype, op):
     return op != "AVG" or dtype in FLOATS
 
@@ -63,6 +72,7 @@ def tolerance(dtype, world_size):
 
 def mismatch(name, got, want, world_size):
     """None if every element of `got` matches `want`, else a description."""
+    got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
     tol = tolerance(want.dtype, world_size)

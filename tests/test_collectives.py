@@ -7,11 +7,11 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import run_ranks
-from reference import DTYPES, FLOATS, OPS, make_input, mismatch, reduce_reference, supported
+from reference import DTYPES, FLOATS, OPS, make_input, mismatch, rank_device, reduce_reference, supported
 
 WORLD_SIZES = [1, 2, 3, 4]
 # Small staging halves, so that the larger cases go through many rounds.
-SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}
+SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
 CONFIGS = {
     "hierarchical_copy": [dict(num_packs=n) for n in (0, 1, 2, 7, 5000)],
     "reduce_to_one_device": [dict(), dict(reduce_to_device=-1)],  # -1: the last rank
@@ -28,10 +28,11 @@ def _options(algorithm, config, world):
 
 
 def _digest(t):
-    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha1(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def _allreduce_matrix(rank, world, algorithm):
+def _allreduce_matrix(rank, world, algorithm, device):
+    dev = rank_device(device, rank)
     errors, digests, case = [], {}, 0
     for config in CONFIGS[algorithm]:
         group = dist.new_group(backend="hca", pg_options=_options(algorithm, config, world))
@@ -43,7 +44,7 @@ def _allreduce_matrix(rank, world, algorithm):
                 for numel in sizes:
                     case += 1
                     inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
-                    t = inputs[rank].clone()
+                    t = inputs[rank].to(dev, copy=True)
                     dist.all_reduce(t, op=OPS[op], group=group)
                     name = f"{config} {dtype} {op} numel={numel}"
                     errors.append(mismatch(name, t, reduce_reference(inputs, op), world))
@@ -53,16 +54,17 @@ def _allreduce_matrix(rank, world, algorithm):
 
 @pytest.mark.parametrize("algorithm", sorted(CONFIGS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_allreduce_every_op_dtype_and_packing(world, algorithm):
-    results = run_ranks(_allreduce_matrix, world, algorithm, env=SMALL_CHUNKS)
+def test_allreduce_every_op_dtype_and_packing(world, algorithm, device):
+    results = run_ranks(_allreduce_matrix, world, algorithm, device, env=SMALL_CHUNKS)
     for errors, _ in results:
         assert errors == []
     # Everybody copies the leader's result: all ranks hold the same bits.
     assert all(digests == results[0][1] for _, digests in results)
 
 
-def _batch(rank, world):
+def _batch(rank, world, device):
     """A packed batch of mixed dtypes and sizes, zero-element tensors included."""
+    dev = rank_device(device, rank)
     errors = []
     specs = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.bfloat16, 1001), (torch.float32, 5),
              (torch.float64, 40_000), (torch.int32, 1)]
@@ -70,7 +72,7 @@ def _batch(rank, world):
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=num_packs))
         inputs = [[make_input(100 + case * 10 + i, r, n, d, "SUM") for i, (d, n) in enumerate(specs)]
                   for r in range(world)]
-        mine = [t.clone() for t in inputs[rank]]
+        mine = [t.to(dev, copy=True) for t in inputs[rank]]
         torch_hca.batch_allreduce(mine, group=group)
         for i, t in enumerate(mine):
             want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")
@@ -79,12 +81,19 @@ def _batch(rank, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_batch_allreduce_mixed_dtypes(world):
-    assert run_ranks(_batch, world, env=SMALL_CHUNKS) == [[]] * world
+def test_batch_allreduce_mixed_dtypes(world, device):
+    assert run_ranks(_batch, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
-def _rooted(rank, world):
+def test_a_ring_of_three_slots(device):
+    """Slots reused as a ring of three (not two): every round waits for the right peers."""
+    env = {**SMALL_CHUNKS, "TORCH_HCA_SHM_SLOTS": "3", "TORCH_HCA_CUDA_SLOTS": "3"}
+    assert run_ranks(_batch, 3, device, env=env) == [[]] * 3
+
+
+def _rooted(rank, world, device):
     """broadcast from every src, reduce to every dst, allgather, reduce_scatter, barrier."""
+    dev = rank_device(device, rank)
     errors, case = [], 1000
     for algorithm in ("hierarchical_copy", "reduce_to_one_device"):
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
@@ -92,7 +101,7 @@ def _rooted(rank, world):
             for numel in (1, 1001, BIG):
                 for root in range(world):
                     case += 2
-                    inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+                    inputs = [make_input(case, r, numel, dtype, "SUM").to(dev) for r in range(world)]
                     t = inputs[rank].clone()
                     dist.broadcast(t, src=root, group=group)
                     errors.append(mismatch(f"broadcast {algorithm} {dtype} {numel} src={root}", t, inputs[root], world))
@@ -101,16 +110,16 @@ def _rooted(rank, world):
                     dist.reduce(t, dst=root, op=OPS[op], group=group)
                     want = reduce_reference(inputs, op) if rank == root else inputs[rank]
                     errors.append(mismatch(f"reduce {algorithm} {dtype} {numel} dst={root}", t, want, world))
-                outs = [torch.empty(numel, dtype=dtype) for _ in range(world)]
+                outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)]
                 dist.all_gather(outs, inputs[rank], group=group)
                 for r in range(world):
                     errors.append(mismatch(f"all_gather {dtype} {numel} from {r}", outs[r], inputs[r], world))
-                flat = torch.empty(numel * world, dtype=dtype)
+                flat = torch.empty(numel * world, dtype=dtype, device=dev)
                 dist.all_gather_into_tensor(flat, inputs[rank], group=group)
                 errors.append(mismatch(f"all_gather_into_tensor {dtype} {numel}", flat, torch.cat(inputs), world))
                 if dtype in FLOATS:
-                    big = [make_input(case + 1, r, numel * world, dtype, "SUM") for r in range(world)]
-                    out = torch.empty(numel, dtype=dtype)
+                    big = [make_input(case + 1, r, numel * world, dtype, "SUM").to(dev) for r in range(world)]
+                    out = torch.empty(numel, dtype=dtype, device=dev)
                     dist.reduce_scatter_tensor(out, big[rank], op=dist.ReduceOp.AVG, group=group)
                     want = reduce_reference(big, "AVG")[rank * numel:(rank + 1) * numel]
                     errors.append(mismatch(f"reduce_scatter_tensor {dtype} {numel}", out, want, world))
@@ -119,23 +128,24 @@ def _rooted(rank, world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_broadcast_reduce_allgather_reduce_scatter(world):
-    assert run_ranks(_rooted, world, env=SMALL_CHUNKS) == [[]] * world
+def test_broadcast_reduce_allgather_reduce_scatter(world, device):
+    assert run_ranks(_rooted, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
-def _odd_shapes(rank, world):
+def _odd_shapes(rank, world, device):
     """Non-contiguous views, multi-dimensional, zero-element and async use with futures."""
+    dev = rank_device(device, rank)
     errors = []
-    base = [make_input(5, r, 6 * 7, torch.float32, "SUM").reshape(6, 7) for r in range(world)]
+    base = [make_input(5, r, 6 * 7, torch.float32, "SUM").reshape(6, 7).to(dev) for r in range(world)]
     view = base[rank].clone().t()  # non-contiguous
     dist.all_reduce(view)
     errors.append(mismatch("transposed view", view, reduce_reference([b.t() for b in base], "SUM"), world))
-    empty = torch.empty(0, 3)
+    empty = torch.empty(0, 3, device=dev)
     dist.all_reduce(empty)
     errors.append(None if empty.shape == (0, 3) else "empty tensor changed shape")
     works, tensors = [], []
     for i in range(5):
-        t = make_input(50 + i, rank, 333, torch.float64, "SUM")
+        t = make_input(50 + i, rank, 333, torch.float64, "SUM").to(dev)
         tensors.append(t)
         works.append(dist.all_reduce(t, async_op=True))
     futures = [w.get_future() for w in works]
@@ -154,14 +164,15 @@ def _odd_shapes(rank, world):
     return [e for e in errors if e]
 
 
-def _coalescing_manager(rank, world):
+def _coalescing_manager(rank, world, device):
     """torch's coalescing manager routes a run of all_reduce calls to allreduce_coalesced."""
+    dev = rank_device(device, rank)
     errors = []
     for async_ops in (True, False):
         inputs = [[make_input(70 + i, r, n, torch.float32, "SUM") for i, n in enumerate((10, 1, 5000))]
                   for r in range(world)]
-        mine = [t.clone() for t in inputs[rank]]
-        with dist._coalescing_manager(device=torch.device("cpu"), async_ops=async_ops) as cm:
+        mine = [t.to(dev, copy=True) for t in inputs[rank]]
+        with dist._coalescing_manager(device=dev, async_ops=async_ops) as cm:
             for t in mine:
                 dist.all_reduce(t)
         if async_ops:
@@ -173,10 +184,10 @@ def _coalescing_manager(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_coalescing_manager(world):
-    assert run_ranks(_coalescing_manager, world) == [[]] * world
+def test_coalescing_manager(world, device):
+    assert run_ranks(_coalescing_manager, world, device) == [[]] * world
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_views_empty_async_and_objects(world):
-    assert run_ranks(_odd_shapes, world) == [[]] * world
+def test_views_empty_async_and_objects(world, device):
+    assert run_ranks(_odd_shapes, world, device) == [[]] * world

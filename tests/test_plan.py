@@ -8,20 +8,30 @@ import torch_hca
 from torch_hca import _C
 
 
+def _gather(pack, tensors):
+    """A pack's elements: its segments (tensor, offset, numel) laid end to end."""
+    return torch.cat([tensors[t][o:o + n] for t, o, n in pack["segments"]])
+
+
+def _scatter(pack, tensors, values):
+    at = 0
+    for t, o, n in pack["segments"]:
+        tensors[t][o:o + n] = values[at:at + n]
+        at += n
+
+
 def _simulate(plan, world, inputs):
-    """Executes a plan's edges on plain tensors, as a transport would: returns every rank's output."""
-    buffers = [x.clone() for x in inputs]
-    outputs = [x.clone() for x in inputs]
+    """Executes a plan's edges on plain tensors, as a transport would. inputs[rank] is that
+    rank's list of tensors; returns every rank's outputs."""
+    outputs = [[x.clone() for x in mine] for mine in inputs]
     for pack in plan.packs:
-        lo = pack["segments"][0][1]
-        hi = lo + pack["numel"]
-        staged = [b[lo:hi].clone() for b in buffers]
+        staged = [_gather(pack, inputs[r]) for r in range(world)]
         for step in pack["steps"]:
             before = [s.clone() for s in staged]
             for kind, src, dst in step:
                 staged[dst] = staged[dst] + before[src] if kind == "reduce" else before[src].clone()
         for r in pack["result_ranks"]:
-            outputs[r][lo:hi] = staged[r]
+            _scatter(pack, outputs[r], staged[r])
     return outputs
 
 
@@ -49,12 +59,13 @@ def test_every_rank_is_in_exactly_one_group(world):
 @pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device"])
 def test_schedule_reduces_every_rank_exactly(world, num_packs, algorithm):
     """Odd world sizes too: following the edges sums every rank's data exactly once."""
-    numel = 29
-    plan = torch_hca.explain(world, algorithm=algorithm, num_packs=num_packs, numels=[numel])
-    inputs = [torch.arange(numel, dtype=torch.float64) * 1000 + 10 ** r for r in range(world)]
-    expected = sum(inputs)
+    numels = [29, 3, 11]  # several tensors: packs span tensor boundaries
+    plan = torch_hca.explain(world, algorithm=algorithm, num_packs=num_packs, numels=numels)
+    inputs = [[torch.arange(n, dtype=torch.float64) * 1000 + 10 ** r + 7 * t for t, n in enumerate(numels)]
+              for r in range(world)]
     for out in _simulate(plan, world, inputs):
-        assert torch.equal(out, expected)
+        for t in range(len(numels)):
+            assert torch.equal(out[t], sum(inputs[r][t] for r in range(world)))
 
 
 def test_user_groups_and_position_rule():
