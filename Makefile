@@ -1,6 +1,6 @@
 # The two commands of the README:
 #   make run   installs what is needed, builds the extension, runs the benchmark (main job)
-#   make test  builds if needed and runs the test suite
+#   make test  builds if needed, compiles the CUDA path with nvcc where found, runs the test suite
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
@@ -20,6 +20,7 @@ bench:
 	$(PYTHON) benchmarks/bench.py
 
 test: build
+	PYTHON=$(PYTHON) bash tools/check_cuda_compile.sh
 	cd tests && $(PYTHON) -m pytest -q
 
 clean:

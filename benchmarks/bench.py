@@ -1,7 +1,10 @@
-"""hca beside gloo on CPU ranks: nccl-tests' columns, a JSON file and a PNG plot.
+"""hca beside gloo (and NCCL on a GPU): nccl-tests' columns, a JSON file and a PNG plot.
 
-    python benchmarks/bench.py                      # 2 ranks, 4 B .. 64 MiB
-    python benchmarks/bench.py --world-sizes 2,3,4 --max-bytes 16M
+    python benchmarks/bench.py                      # 2 ranks, 4 B .. 64 MiB, CUDA tensors if a GPU is present
+    python benchmarks/bench.py --world-sizes 2,3,4 --max-bytes 16M --device cpu
+
+On CUDA, ranks share the GPUs round-robin (several ranks on one GPU), every timed call ends
+with a device synchronize, and stock NCCL joins where it can run (one rank per GPU).
 
 Every backend runs in the same processes, one after the other, on the same float32 tensors.
 time = median over iterations of the slowest rank's time; algbw = bytes / time;
@@ -31,7 +34,7 @@ def parse_bytes(text):
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def backends(world):
+def backends(world, device):
     """(label, backend, hca options) for every contender."""
     import torch_hca
 
@@ -41,7 +44,23 @@ def backends(world):
         rows.append((f"hca/hierarchical_copy(num_packs={world})", "hca",
                      torch_hca.Options("hierarchical_copy", num_packs=world)))
     rows.append(("hca/reduce_to_one_device", "hca", torch_hca.Options("reduce_to_one_device")))
+    if device == "cuda" and dist.is_nccl_available() and world <= torch.cuda.device_count():
+        rows.append(("nccl", "nccl", None))
     return rows
+
+
+def rank_device(device, rank):
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def synchronized(fn, dev):
+    """fn, then (on CUDA) a wait for the device: the time a caller sees its result in."""
+    if dev.type != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize(dev))
 
 
 def time_collective(fn, nbytes, group, timer_group):
@@ -60,9 +79,9 @@ def time_collective(fn, nbytes, group, timer_group):
     return median.item()
 
 
-def count_wrong(op, n, rank, world, group):
+def count_wrong(op, n, rank, world, group, dev):
     """Elements that differ from the expected result for rank-dependent data."""
-    t = torch.full((n,), float(rank + 1))
+    t = torch.full((n,), float(rank + 1), device=dev)
     if op == "allreduce":
         dist.all_reduce(t, group=group)
         return int((t != world * (world + 1) / 2).sum())
@@ -101,43 +120,47 @@ def time_batches(rank, world, timer_group):
     return rows
 
 
-def worker(rank, world, init, sizes, ops, out_path):
+def worker(rank, world, init, sizes, ops, out_path, device):
     import torch_hca  # noqa: F401
 
     torch.set_num_threads(1)
+    dev = rank_device(device, rank)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     timer_group = dist.group.WORLD
     rows = []
     if "batch" in ops:
         rows += time_batches(rank, world, timer_group)
         ops = [op for op in ops if op != "batch"]
-    for label, backend, options in backends(world):
+    for label, backend, options in backends(world, device):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
             for nbytes in sizes:
                 n = max(1, nbytes // 4)
-                t = torch.zeros(n)
+                t = torch.zeros(n, device=dev)
                 if op == "allreduce":
-                    fn = lambda: dist.all_reduce(t, group=group)  # noqa: E731
+                    fn = synchronized(lambda: dist.all_reduce(t, group=group), dev)  # noqa: E731
                 else:
-                    fn = lambda: dist.broadcast(t, src=0, group=group)  # noqa: E731
+                    fn = synchronized(lambda: dist.broadcast(t, src=0, group=group), dev)  # noqa: E731
                 seconds = time_collective(fn, n * 4, group, timer_group)
                 algbw = n * 4 / seconds / 1e9
                 factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
                 rows.append(dict(backend=label, op=op, world_size=world, size=n * 4, count=n, type="float",
                                  redop="sum" if op == "allreduce" else "none", root=-1 if op == "allreduce" else 0,
                                  time_us=seconds * 1e6, algbw=algbw, busbw=algbw * factor,
-                                 wrong=count_wrong(op, n, rank, world, group)))
+                                 wrong=count_wrong(op, n, rank, world, group, dev)))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
 
 
-def memcpy_bandwidth(nbytes=64 << 20):
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+def memcpy_bandwidth(device, nbytes=64 << 20):
+    """Bytes copied per second by one memcpy: one core's on CPU, device-to-device on CUDA."""
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    src, dst = torch.ones(nbytes // 4, device=dev), torch.empty(nbytes // 4, device=dev)
+    copy = synchronized(lambda: dst.copy_(src), dev)
+    copy()
+    best = min(_timed(copy) for _ in range(5))
     return nbytes / best / 1e9
 
 
@@ -231,30 +254,34 @@ def main(argv=None):
     parser.add_argument("--ops", default="allreduce,broadcast",
                         help="allreduce, broadcast, and/or batch (100 tensors of 4 KiB-4 MiB)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="tensors' device (auto: cuda when a GPU is present)")
     args = parser.parse_args(argv)
     sizes, n = [], parse_bytes(args.min_bytes)
     while n <= parse_bytes(args.max_bytes):
         sizes.append(n)
         n *= args.step
-    device = "cpu"
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for world in (int(w) for w in args.world_sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, args.ops.split(","), out), nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, args.ops.split(","), out, device),
+                     nprocs=world)
             with open(out) as f:
                 rows += json.load(f)
     batches = [r for r in rows if r["op"] == "batch100"]
     rows = [r for r in rows if r["op"] != "batch100"]
     print_table(rows)
     print_batches(batches)
-    memcpy = memcpy_bandwidth()
+    memcpy = memcpy_bandwidth(device)
     speedups = ratios(rows)
-    print(f"\nmemcpy bandwidth (one core): {memcpy:.2f} GB/s")
+    print(f"\nmemcpy bandwidth ({'device to device' if device == 'cuda' else 'one core'}): {memcpy:.2f} GB/s")
     print_speedups(speedups)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    name = f"{device}-ranks{args.world_sizes.replace(',', '_')}-{stamp}"
+    gpu = torch.cuda.get_device_name(0).replace(" ", "_") + "-" if device == "cuda" else ""
+    name = f"{gpu}{device}-ranks{args.world_sizes.replace(',', '_')}-{stamp}"
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:

@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .options import Options, shm_chunk_bytes, shm_slots
+from .options import Options, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
@@ -22,7 +22,7 @@ def create_backend(dist_backend_opts, backend_options):
                                      cpu_engine=cpu_engine, cuda_engine=cuda_engine)
     return _C.ProcessGroupHCA(store=dist_backend_opts.store, rank=rank, size=size, timeout_ms=timeout_ms,
                               options=options.plan_options(), shm_slot_bytes=shm_chunk_bytes(),
-                              shm_slots=shm_slots())
+                              shm_slots=shm_slots(), cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots())
 
 
 def _engines(dist_backend_opts):

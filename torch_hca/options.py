@@ -126,3 +126,13 @@ def shm_chunk_bytes(environ=None) -> int:
 def shm_slots(environ=None) -> int:
     """Staging slots per rank, used as a ring (TORCH_HCA_SHM_SLOTS, default 2)."""
     return _env_int("SHM_SLOTS", 2, 2, environ)
+
+
+def cuda_chunk_bytes(environ=None) -> int:
+    """Bytes of one CUDA staging slot per rank (TORCH_HCA_CUDA_CHUNK_BYTES, default 8 MiB)."""
+    return _env_int("CUDA_CHUNK_BYTES", 8 << 20, 4096, environ)
+
+
+def cuda_slots(environ=None) -> int:
+    """CUDA staging slots per rank, a ring: chunk i+1 stages while chunk i reduces (TORCH_HCA_CUDA_SLOTS, default 4)."""
+    return _env_int("CUDA_SLOTS", 4, 2, environ)

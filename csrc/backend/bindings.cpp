@@ -134,12 +134,15 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
-                       const PlanOptions& options, size_t shm_slot_bytes, int shm_slots) {
+                       const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
+                       int cuda_slots) {
              return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
-                                                         options, shm_slot_bytes, shm_slots);
+                                                         options, shm_slot_bytes, shm_slots,
+                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots});
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
-           py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::call_guard<py::gil_scoped_release>())
+           py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
 
   py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
@@ -154,6 +157,11 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; });
 
   m.def("default_groups", &default_groups, py::arg("world_size"));
+#ifdef HCA_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
   m.def(
       "plan",
       [](const std::string& collective, int world, const std::vector<size_t>& numels, const PlanOptions& options,

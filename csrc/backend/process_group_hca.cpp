@@ -22,8 +22,12 @@ void check_root(int64_t root, int size, const char* what, const char* op) {
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
-                                 int shm_slots)
-    : c10d::Backend(rank, size), options_(std::move(options)), timeout_(timeout), store_(store) {
+                                 int shm_slots, cuda::CudaConfig cuda_config)
+    : c10d::Backend(rank, size),
+      options_(std::move(options)),
+      timeout_(timeout),
+      cuda_config_(cuda_config),
+      store_(store) {
   try {
     validate(options_, size);
   } catch (const std::invalid_argument& e) {
@@ -38,6 +42,14 @@ ProcessGroupHCA::~ProcessGroupHCA() = default;
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
   if (device.is_cpu()) return *shm_executor_;
+#ifdef HCA_WITH_CUDA
+  if (device.is_cuda()) {
+    if (!cuda_executor_) {
+      cuda_executor_ = cuda::make_cuda_executor(*control_, std::make_shared<StoreRendezvous>(store_), cuda_config_);
+    }
+    return *cuda_executor_;
+  }
+#endif
   TORCH_CHECK_NOT_IMPLEMENTED(false, "hca ", op, ": tensors on ", device,
                               " are not supported by this build (it has no executor for ", device.type(), ")");
 }
@@ -66,6 +78,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                                                        std::chrono::milliseconds timeout, bool async_op) {
   Executor& executor = executor_for(args.device(), args.name());
   for (auto& c : collectives) c.timeout = timeout;
+#ifdef HCA_WITH_CUDA
+  if (args.device().is_cuda()) {
+    return launch_cuda(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
+  }
+#endif
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {
     for (const auto& c : collectives) {
       try {

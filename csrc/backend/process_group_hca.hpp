@@ -10,6 +10,7 @@
 
 #include "../plan/plan.h"
 #include "../transport/control/control_block.h"
+#include "../transport/cuda/cuda_executor.h"
 #include "../transport/executor.h"
 #include "call_args.hpp"
 #include "store_rendezvous.hpp"
@@ -21,7 +22,8 @@ class ProcessGroupHCA : public c10d::Backend {
  public:
   // `options` must have been validated (validate(options, size) runs again here).
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots);
+                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
+                  cuda::CudaConfig cuda_config);
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
@@ -64,6 +66,12 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, CallArgs args, std::vector<Collective> collectives,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
+#ifdef HCA_WITH_CUDA
+  // launch() for CUDA tensors: stream semantics of ProcessGroupNCCL (cuda_call.cpp).
+  c10::intrusive_ptr<c10d::Work> launch_cuda(c10d::OpType type, Executor& executor, CallArgs args,
+                                             std::vector<Collective> collectives, std::vector<at::Tensor> outputs,
+                                             bool async_op);
+#endif
   Collective collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op, const char* name,
                         const std::string& details) const;
   Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
@@ -72,6 +80,7 @@ class ProcessGroupHCA : public c10d::Backend {
 
   PlanOptions options_;
   std::chrono::milliseconds timeout_;
+  cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;
   std::unique_ptr<Executor> shm_executor_;

@@ -4,11 +4,27 @@
 
 namespace hca {
 
-WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body)
+WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
+                 std::shared_ptr<DeviceCompletion> device, std::vector<at::Tensor> stash)
     : c10d::Work(rank, type),
       outputs_(std::move(outputs)),
       body_(std::move(body)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+      device_(std::move(device)),
+      stash_(std::move(stash)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       device_ ? device_->devices() : std::vector<c10::Device>{})) {}
+
+bool WorkHCA::wait(std::chrono::milliseconds timeout) {
+  const bool done = c10d::Work::wait(timeout);
+  synchronize();
+  return done;
+}
+
+void WorkHCA::synchronize() {
+  if (!device_) return;
+  device_->make_current_stream_wait();
+  stash_.clear();
+}
 
 void WorkHCA::execute() {
   std::exception_ptr error;
@@ -22,7 +38,12 @@ void WorkHCA::execute() {
     future_->setError(error);
     finish(error);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    const c10::IValue value(outputs_);
+    if (device_) {
+      device_->complete(*future_, value);
+    } else {
+      future_->markCompleted(value);
+    }
     finish();
   }
 }

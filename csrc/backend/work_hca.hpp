@@ -13,20 +13,43 @@
 
 namespace hca {
 
+// What a Work on device tensors adds to its host body: work issued to a
+// device stream, which the caller's stream must order after.
+class DeviceCompletion {
+ public:
+  virtual ~DeviceCompletion() = default;
+  virtual std::vector<c10::Device> devices() const = 0;
+  // The device finished what the body issued (never blocks).
+  virtual bool query() const = 0;
+  // The caller's current stream waits for it (the host does not).
+  virtual void make_current_stream_wait() const = 0;
+  // Completes `future` so that its users' streams wait for the device.
+  virtual void complete(c10::ivalue::Future& future, const c10::IValue& value) const = 0;
+};
+
 class WorkHCA : public c10d::Work {
  public:
-  WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body);
+  // `device` (optional): the stream work the body issues; `stash` stays alive
+  // until wait() has ordered the caller's stream after it.
+  WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
+          std::shared_ptr<DeviceCompletion> device = nullptr, std::vector<at::Tensor> stash = {});
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // The Future completes first; these follow it, so a Future waiter sees a completed Work.
-  bool isCompleted() override { return future_->completed(); }
+  bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // Waits for the host body (it may be queued); for device work, the caller's
+  // current stream then waits for the device, without blocking the host.
+  bool wait(std::chrono::milliseconds timeout) override;
+  void synchronize() override;
   // Runs the body and completes the Work and its Future (with the error, if any).
   void execute();
 
  private:
   std::vector<at::Tensor> outputs_;
   std::function<void()> body_;
+  std::shared_ptr<DeviceCompletion> device_;
+  std::vector<at::Tensor> stash_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

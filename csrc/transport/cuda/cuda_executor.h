@@ -1,0 +1,28 @@
+// The executor for CUDA tensors of one node: the same plans and round runner
+// as shared memory, over per-rank staging slots in raw cudaMalloc memory shared
+// through CUDA IPC. Ranks order each other with stream memory operations on
+// their progress words in the node's control block (registered with the GPU):
+// no kernel ever waits for another process, so several ranks may share a GPU.
+// A watchdog thread notices dead or failed peers and expired deadlines, and
+// releases the streams waiting on them by writing their words from the host.
+#pragma once
+#include <chrono>
+#include <memory>
+
+#include "../control/control_block.h"
+#include "../executor.h"
+#include "../rendezvous.h"
+
+namespace hca::cuda {
+
+struct CudaConfig {
+  size_t slot_bytes = 8u << 20;  // TORCH_HCA_CUDA_CHUNK_BYTES
+  int slots = 4;                 // TORCH_HCA_CUDA_SLOTS: the ring
+};
+
+// Nothing touches the GPU until the first collective, which sets up the
+// staging and the IPC mappings on the collective's device (every rank takes part).
+std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
+                                             CudaConfig config);
+
+}  // namespace hca::cuda

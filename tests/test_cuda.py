@@ -1,0 +1,119 @@
+"""The CUDA path: what runs everywhere (device routing, the CUDA compile check's presence)
+and the GPU tests that skip without CUDA. The collectives' whole matrix runs on CUDA through
+the `device` fixture of test_collectives.py; these add stream semantics, training and failures."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import run_ranks
+from reference import make_input, mismatch, rank_device, reduce_reference
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _other_device_is_named(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    opts = dist.AllreduceOptions()
+    try:
+        backend.allreduce([torch.empty(4, device="meta")], opts)
+    except NotImplementedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_device_without_executor_raises_not_implemented_naming_it():
+    for msg in run_ranks(_other_device_is_named, 2):
+        assert "hca allreduce: tensors on meta are not supported by this build" in msg, msg
+
+
+def test_build_reports_cuda_support():
+    assert torch_hca._C.has_cuda in (True, False)
+    if torch.cuda.is_available() and torch.version.cuda:
+        assert torch_hca._C.has_cuda, "torch has CUDA but the extension was built without its CUDA executor"
+
+
+def _busy_stream_async(rank, world):
+    """The caller's stream is busy producing the input when the async collective is issued:
+    the collective must wait for it, and wait() must order the caller's stream after it."""
+    dev = rank_device("cuda", rank)
+    errors = []
+    for algorithm in ("hierarchical_copy", "reduce_to_one_device"):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+        inputs = [make_input(7, r, 1 << 20, torch.float32, "SUM") for r in range(world)]
+        a = torch.randn(2048, 2048, device=dev)
+        t = torch.zeros(1 << 20, device=dev)
+        for _ in range(4):
+            a = a @ a / 2048  # keeps the current stream busy
+        t.add_(inputs[rank].to(dev))  # queued behind the matmuls
+        work = dist.all_reduce(t, async_op=True, group=group)
+        work.wait()
+        result = t * 1  # on the current stream, after wait()
+        errors.append(mismatch(f"{algorithm} async", result, reduce_reference(inputs, "SUM"), world))
+        fut = dist.all_reduce(t, async_op=True, group=group).get_future()
+        errors.append(mismatch(f"{algorithm} future", fut.wait()[0], reduce_reference(inputs, "SUM") * world, world))
+    torch.cuda.synchronize()
+    return [e for e in errors if e]
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_async_collectives_follow_the_callers_stream(world):
+    assert run_ranks(_busy_stream_async, world) == [[]] * world
+
+
+def _train_cuda(rank, world, backend_name, steps=10):
+    dev = rank_device("cuda", rank) if backend_name == "hca" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(dev)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=g).to(dev), torch.randn(16, 4, generator=g).to(dev)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
+
+
+@needs_cuda
+def test_ddp_on_cuda_matches_gloo_on_cpu():
+    hca = run_ranks(_train_cuda, 2, "hca", pg_options=torch_hca.Options(num_packs=2))
+    gloo = run_ranks(_train_cuda, 2, "gloo", backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
+
+
+def _dies_mid_collective_cuda(rank, world):
+    dev = rank_device("cuda", rank)
+    t = torch.ones(1 << 22, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    if rank == 1:
+        dist.all_reduce(t, async_op=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(50):
+            dist.all_reduce(t)
+            torch.cuda.synchronize()  # released by the watchdog, not hung
+        return "no error", time.monotonic() - start
+    except dist.DistBackendError as e:
+        return str(e), time.monotonic() - start
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_killed_rank_releases_the_streams_and_is_named(world):
+    results = run_ranks(_dies_mid_collective_cuda, world, pg_timeout_s=5, allow_missing=(1,))
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        msg, elapsed = result
+        assert "rank 1" in msg and ("died" in msg or "failed" in msg), msg
+        assert elapsed < 5 + 5

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Compiles the CUDA executor and the c10d glue with HCA_WITH_CUDA on, with nvcc against the
+# installed torch's headers, so that a machine without a GPU (and a CPU-only torch) still
+# catches compile errors in the CUDA path. Objects only: nothing is linked or run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if ! command -v nvcc >/dev/null; then
+  echo "check_cuda_compile: nvcc not found, CUDA compile check skipped"
+  exit 0
+fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+# A CPU wheel lacks this generated header; CUDA wheels ship it.
+mkdir -p "$out/shim/c10/cuda/impl"
+echo '#pragma once' > "$out/shim/c10/cuda/impl/cuda_cmake_macros.h"
+includes=$($PYTHON -c "
+import sysconfig
+from torch.utils.cpp_extension import include_paths
+print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))")
+abi=$($PYTHON -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
+flags=(-std=c++17 -O0 -w -DHCA_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI=$abi -I"$out/shim" $includes)
+files=(csrc/transport/cuda/*.cu csrc/transport/cuda/*.cpp csrc/backend/cuda/*.cpp
+       csrc/backend/process_group_hca.cpp csrc/backend/bindings.cpp)
+for f in "${files[@]}"; do
+  echo "nvcc -c $f"
+  nvcc "${flags[@]}" -c "$f" -o "$out/$(basename "$f").o"
+done
+echo "check_cuda_compile: ${#files[@]} files compiled"
