@@ -19,8 +19,7 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
     : rank_(rank), world_(world), slots_offset_(round_up(sizeof(ControlHeader), kCacheLine)) {
   const size_t bytes = round_up(slots_offset_ + sizeof(RankSlot) * static_cast<size_t>(world), 4096);
   auto initialize = [&](char* base) {
-    auto* header = new (base) ControlHeader{kMagic, kLayoutVersion, world, sizeof(RankSlot)};
-    (void)header;
+    new (base) ControlHeader{kMagic, kLayoutVersion, world, sizeof(RankSlot)};
     for (int r = 0; r < world; ++r) new (base + slots_offset_ + r * sizeof(RankSlot)) RankSlot{};
   };
   segment_ = std::make_unique<SharedSegment>(rendezvous, "hca_control", rank, world, bytes,
