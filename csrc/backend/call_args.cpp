@@ -25,6 +25,15 @@ void check_nonempty(size_t count, const char* what, const char* op) {
   TORCH_CHECK_VALUE(count > 0, "hca ", op, ": ", what, " is empty");
 }
 
+void check_rank(int64_t rank, int size, const char* what, const char* op) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < size, "hca ", op, ": ", what, " ", rank, " is outside the group of ", size,
+                    " ranks");
+}
+
+char* byte_offset(const at::Tensor& t, int64_t elements) {
+  return static_cast<char*>(t.data_ptr()) + elements * static_cast<int64_t>(t.element_size());
+}
+
 CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors) : name_(name), original_(tensors) {
   descs_.reserve(tensors.size());
   dense_.reserve(tensors.size());

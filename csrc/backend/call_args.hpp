@@ -46,5 +46,9 @@ class CallArgs {
 // The plan's element type for a tensor's dtype, or a TypeError naming it.
 DType plan_dtype(at::ScalarType type, const char* op);
 void check_nonempty(size_t count, const char* what, const char* op);
+// ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
+void check_rank(int64_t rank, int size, const char* what, const char* op);
+// The address `elements` elements into a dense tensor.
+char* byte_offset(const at::Tensor& t, int64_t elements);
 
 }  // namespace hca

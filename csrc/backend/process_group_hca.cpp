@@ -9,14 +9,8 @@
 namespace hca {
 namespace {
 
-char* byte_offset(const at::Tensor& t, int64_t elements) {
-  return static_cast<char*>(t.data_ptr()) + elements * static_cast<int64_t>(t.element_size());
-}
-
-void check_root(int64_t root, int size, const char* what, const char* op) {
-  TORCH_CHECK_VALUE(root >= 0 && root < size, "hca ", op, ": ", what, " ", root, " is outside the group of ", size,
-                    " ranks");
-}
+// Each ordered pair of ranks gets a ring this size (larger messages stream through).
+constexpr size_t kMailboxRingBytes = 256 * 1024;
 
 }  // namespace
 
@@ -36,6 +30,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   StoreRendezvous rendezvous(store);
   control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
   shm_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
+  mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, kMailboxRingBytes, timeout);
 }
 
 ProcessGroupHCA::~ProcessGroupHCA() = default;
@@ -77,6 +72,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                                                        std::vector<at::Tensor> outputs,
                                                        std::chrono::milliseconds timeout, bool async_op) {
   Executor& executor = executor_for(args.device(), args.name());
+  ++sequence_;
   for (auto& c : collectives) c.timeout = timeout;
 #ifdef HCA_WITH_CUDA
   if (args.device().is_cuda()) {
@@ -101,6 +97,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
+    return allreduce_sparse(tensors[0], opts);
+  }
   CallArgs args("allreduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
@@ -118,7 +117,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_coalesced(std::vector<
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  check_root(opts.rootRank, getSize(), "src", "broadcast");
+  check_rank(opts.rootRank, getSize(), "src", "broadcast");
   CallArgs args("broadcast", tensors);
   std::vector<Collective> cs;
   cs.push_back(collective(plan_broadcast(args.descs(), getSize(), static_cast<int>(opts.rootRank)),
@@ -131,7 +130,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
-  check_root(opts.rootRank, getSize(), "dst", "reduce");
+  check_rank(opts.rootRank, getSize(), "dst", "reduce");
   CallArgs args("reduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
@@ -260,6 +259,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
   cs.push_back(collective({}, {}, ReduceOp::Sum, "barrier", ""));
   return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
                 opts.asyncOp);
+}
+
+void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  const auto timeout = timeout_or_default(opts.timeout);
+  auto body = [this, timeout, wait_all_ranks] {
+    try {
+      control_->monitored_barrier(timeout, wait_all_ranks);
+    } catch (const Failure& e) {
+      C10_THROW_ERROR(DistBackendError, e.what());
+    }
+  };
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::BARRIER, std::vector<at::Tensor>{}, body);
+  queue_.submit(work, true);
+  work->wait(kNoTimeout);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {

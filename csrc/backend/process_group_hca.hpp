@@ -6,12 +6,14 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <memory>
 
 #include "../plan/plan.h"
 #include "../transport/control/control_block.h"
 #include "../transport/cuda/cuda_executor.h"
 #include "../transport/executor.h"
+#include "../transport/shm/mailbox.h"
 #include "call_args.hpp"
 #include "store_rendezvous.hpp"
 #include "work_hca.hpp"
@@ -53,6 +55,31 @@ class ProcessGroupHCA : public c10d::Backend {
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+
+  // gather_scatter.cpp
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+
+  // point_to_point.cpp: through the mailbox, independent of the collective queue.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // Counts the collectives and messages issued since the last reset.
+  void setSequenceNumberForGroup() override { sequence_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return sequence_; }
   // The coalescing manager batches in Python (allreduce_coalesced etc.); the
   // end of a batch is a Work that completes after everything issued before it.
   void startCoalescing() override {}
@@ -72,6 +99,19 @@ class ProcessGroupHCA : public c10d::Backend {
                                              std::vector<Collective> collectives, std::vector<at::Tensor> outputs,
                                              bool async_op);
 #endif
+  c10::intrusive_ptr<c10d::Work> post_message(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
+  // allreduce of sparse COO tensors (SUM): gathers every rank's indices and values.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
+  // Every rank's `mine` (same length everywhere), concatenated in rank order; blocking.
+  std::vector<int64_t> exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout);
+  // The alltoall of `args` (outputs first): this rank sends sends[j] elements
+  // from sources[j] to rank j and receives expects[i] at targets[i] from rank
+  // i; `equal`: every rank passes the same equal counts (no exchange needed).
+  c10::intrusive_ptr<c10d::Work> launch_alltoall(c10d::OpType type, CallArgs args, const std::vector<int64_t>& sends,
+                                                 const std::vector<int64_t>& expects, bool equal,
+                                                 const std::vector<const void*>& sources,
+                                                 const std::vector<void*>& targets, std::vector<at::Tensor> outputs,
+                                                 const c10d::AllToAllOptions& opts);
   Collective collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op, const char* name,
                         const std::string& details) const;
   Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
@@ -85,6 +125,8 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<ControlBlock> control_;
   std::unique_ptr<Executor> shm_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
+  std::unique_ptr<shm::Mailbox> mailbox_;
+  std::atomic<uint64_t> sequence_{0};
   WorkQueue queue_;  // last: its worker stops before the executors go
 };
 

@@ -34,6 +34,10 @@ void WorkHCA::execute() {
     error = std::current_exception();
   }
   body_ = nullptr;
+  complete(error);
+}
+
+void WorkHCA::complete(std::exception_ptr error) {
   if (error) {
     future_->setError(error);
     finish(error);

@@ -5,6 +5,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -44,6 +45,8 @@ class WorkHCA : public c10d::Work {
   void synchronize() override;
   // Runs the body and completes the Work and its Future (with the error, if any).
   void execute();
+  // Completes the Work and its Future (a Work without a body, e.g. a send).
+  void complete(std::exception_ptr error);
 
  private:
   std::vector<at::Tensor> outputs_;
@@ -51,6 +54,19 @@ class WorkHCA : public c10d::Work {
   std::shared_ptr<DeviceCompletion> device_;
   std::vector<at::Tensor> stash_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A send or receive, completed by the mailbox; a receive from any source
+// reports who sent (dist.recv returns it).
+class PointToPointWork final : public WorkHCA {
+ public:
+  PointToPointWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors)
+      : WorkHCA(rank, type, std::move(tensors), nullptr) {}
+  int sourceRank() const override { return source_.load(); }
+  void set_source(int rank) { source_.store(rank); }
+
+ private:
+  std::atomic<int> source_{-1};
 };
 
 class WorkQueue {

@@ -91,6 +91,57 @@ std::vector<PackPlan> plan_allgather(const TensorDesc& each, int world) {
   return plan;
 }
 
+namespace {
+
+PackPlan copy_pack(size_t index, DType dtype, size_t numel, int src, int dst) {
+  return {Pack{index, dtype, numel, {{index, 0, numel}}}, copy_schedule(src, dst)};
+}
+
+}  // namespace
+
+std::vector<PackPlan> plan_gather(const TensorDesc& each, int world, int root) {
+  std::vector<PackPlan> plan;
+  if (each.numel == 0) return plan;
+  for (int j = 0; j < world; ++j) plan.push_back(copy_pack(j, each.dtype, each.numel, j, root));
+  return plan;
+}
+
+std::vector<PackPlan> plan_scatter(const TensorDesc& each, int world, int root) {
+  std::vector<PackPlan> plan;
+  if (each.numel == 0) return plan;
+  for (int j = 0; j < world; ++j) plan.push_back(copy_pack(j, each.dtype, each.numel, root, j));
+  return plan;
+}
+
+std::vector<PackPlan> plan_alltoall(DType dtype, const std::vector<size_t>& counts, int world) {
+  if (counts.size() != static_cast<size_t>(world) * static_cast<size_t>(world)) {
+    throw std::invalid_argument("alltoall: expected world * world counts");
+  }
+  std::vector<PackPlan> plan;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    if (counts[p] > 0) plan.push_back(copy_pack(p, dtype, counts[p], p / world, p % world));
+  }
+  return plan;
+}
+
+std::vector<size_t> alltoall_counts(const std::vector<int64_t>& announced, int world) {
+  const size_t n = static_cast<size_t>(world);
+  if (announced.size() != 2 * n * n) throw std::invalid_argument("alltoall: expected 2 * world counts from each rank");
+  std::vector<size_t> counts(n * n);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < n; ++j) {
+      const int64_t sends = announced[i * 2 * n + j], expects = announced[j * 2 * n + n + i];
+      if (sends != expects) {
+        throw std::invalid_argument("rank " + std::to_string(i) + " sends " + std::to_string(sends) +
+                                    " elements to rank " + std::to_string(j) + ", but rank " + std::to_string(j) +
+                                    " expects " + std::to_string(expects) + " from rank " + std::to_string(i));
+      }
+      counts[i * n + j] = static_cast<size_t>(sends);
+    }
+  }
+  return counts;
+}
+
 std::vector<PackPlan> plan_reduce_scatter(const TensorDesc& each, int world, const PlanOptions& options) {
   Groups storage;
   const Groups& groups = groups_or_default(options, world, storage);

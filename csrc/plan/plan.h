@@ -39,6 +39,18 @@ std::vector<PackPlan> plan_allgather(const TensorDesc& each, int world);
 // Pack j is slice j (tensor j), reduced into rank j.
 std::vector<PackPlan> plan_reduce_scatter(const TensorDesc& each, int world, const PlanOptions& options);
 
+// Pack j is rank j's tensor (tensor j), copied to `root`.
+std::vector<PackPlan> plan_gather(const TensorDesc& each, int world, int root);
+// Pack j is `root`'s tensor j, copied to rank j.
+std::vector<PackPlan> plan_scatter(const TensorDesc& each, int world, int root);
+// Pack i * world + j (tensor i * world + j) is what rank i sends rank j:
+// counts[i * world + j] elements, copied from i to j. Empty ones are left out.
+std::vector<PackPlan> plan_alltoall(DType dtype, const std::vector<size_t>& counts, int world);
+// The all-to-all counts from every rank's announcement (concatenated, rank by
+// rank: the counts it sends to each rank, then those it expects from each);
+// throws std::invalid_argument naming the first pair of ranks that disagree.
+std::vector<size_t> alltoall_counts(const std::vector<int64_t>& announced, int world);
+
 // A readable account of an allreduce plan: packs, leaders and steps.
 std::string explain(const std::vector<PackPlan>& plan);
 

@@ -98,6 +98,13 @@ Schedule broadcast_schedule(int world, int src) {
   return schedule;
 }
 
+Schedule copy_schedule(int src, int dst) {
+  Schedule schedule;
+  if (src != dst) add_step(schedule, {{EdgeKind::Copy, src, dst}});
+  schedule.result_ranks = {dst};
+  return schedule;
+}
+
 std::string steps_text(const Schedule& schedule) {
   std::ostringstream out;
   for (size_t s = 0; s < schedule.steps.size(); ++s) {

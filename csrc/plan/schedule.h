@@ -41,6 +41,9 @@ Schedule one_device_reduce(int world, int root);
 // (src's own output gets its input, for when they differ, as in allgather).
 Schedule broadcast_schedule(int world, int src);
 
+// `src`'s data lands in `dst`'s output (for src == dst: its own input).
+Schedule copy_schedule(int src, int dst);
+
 // Human-readable steps, e.g. "step 1: reduce 1->0, 3->2".
 std::string steps_text(const Schedule& schedule);
 

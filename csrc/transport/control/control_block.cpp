@@ -9,7 +9,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -97,7 +97,37 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
   }
 }
 
+void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all) {
+  const uint64_t n = ++monitored_;
+  const WaitContext ctx{Clock::now() + timeout, "monitoredBarrier #" + std::to_string(n), timeout};
+  RankSlot& mine = slot(rank_);
+  if (rank_ != 0) {
+    mine.monitored.store(n, std::memory_order_release);
+    const RankSlot& root = slot(0);
+    await(0, [&] { return root.monitored.load(std::memory_order_acquire) >= n; }, ctx);
+    return;
+  }
+  std::string missing;
+  int first = -1, count = 0;
+  for (int peer = 1; peer < world_ && (wait_all || first < 0); ++peer) {
+    const RankSlot& theirs = slot(peer);
+    try {
+      await(peer, [&] { return theirs.monitored.load(std::memory_order_acquire) >= n; }, ctx);
+    } catch (const Failure&) {
+      missing += (count++ ? ", " : "") + std::to_string(peer);
+      if (first < 0) first = peer;
+    }
+  }
+  if (first >= 0) {
+    throw Failure(FailureKind::Timeout, ctx.operation, first,
+                  (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " +
+                      std::to_string(timeout.count()) + " ms");
+  }
+  mine.monitored.store(n, std::memory_order_release);
+}
+
 void ControlBlock::publish_failure(const Failure& failure) {
+  std::lock_guard<std::mutex> lock(publishing_);
   RankSlot& mine = slot(rank_);
   if (mine.failed.load(std::memory_order_relaxed)) return;  // the first cause only
   std::strncpy(mine.failure, failure.cause().c_str(), kSignatureBytes - 1);

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "../rendezvous.h"
@@ -43,6 +44,8 @@ struct alignas(kCacheLine) RankSlot {
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
   char failure[kSignatureBytes];
+  // Monitored barriers this rank passed (rank 0: released).
+  std::atomic<uint64_t> monitored;
 };
 
 struct alignas(kCacheLine) ControlHeader {
@@ -82,6 +85,11 @@ class ControlBlock {
   void wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const;
   // Throws the Failure a wait on `peer` would give now (dead, failed), else returns.
   void check_peer(int peer, const WaitContext& ctx) const;
+  // torch's monitored barrier: rank 0 waits for every rank's arrival and
+  // throws Failure(Timeout) naming the first rank (all, with `wait_all`) that
+  // did not arrive in time; the others wait for rank 0 to release them. The
+  // group stays usable: it is a diagnosis, not a collective.
+  void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all);
   // Records this rank's first failure, so that ranks waiting on it report the cause.
   void publish_failure(const Failure& failure);
 
@@ -99,6 +107,8 @@ class ControlBlock {
   size_t slots_offset_;
   std::unique_ptr<SharedSegment> segment_;
   uint64_t collectives_ = 0;  // collectives started by this rank
+  uint64_t monitored_ = 0;    // monitored barriers entered by this rank
+  std::mutex publishing_;     // collectives and point-to-point fail on different threads
 };
 
 }  // namespace hca

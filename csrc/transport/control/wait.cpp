@@ -9,7 +9,7 @@ namespace hca {
 
 void throw_timeout(const WaitContext& ctx, int peer) {
   throw Failure(FailureKind::Timeout, ctx.operation, peer,
-                "timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
+                "Timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
                     std::to_string(peer) + " (it never arrived, is stuck, or called a different collective)");
 }
 

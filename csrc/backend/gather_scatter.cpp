@@ -1,0 +1,220 @@
+// gather, scatter, alltoall (both forms) and allgather_coalesced: each is a
+// plan of Copy packs (plan.h) over spans into the caller's tensors. A rank's
+// span is null where its role in that pack never touches it.
+#include <c10/util/Exception.h>
+
+#include <numeric>
+
+#include "process_group_hca.hpp"
+
+namespace hca {
+namespace {
+
+// Rows of `t` per rank: the splits as given, or equal ones (which must divide).
+std::vector<int64_t> rows_per_rank(const at::Tensor& t, const std::vector<int64_t>& splits, int world,
+                                   const char* what) {
+  TORCH_CHECK_VALUE(t.dim() > 0, "hca alltoall_base: the ", what, " must have at least one dimension");
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(t.size(0) % world == 0, "hca alltoall_base: the ", what, "'s first dimension (", t.size(0),
+                      ") does not divide into ", world, " equal splits");
+    return std::vector<int64_t>(world, t.size(0) / world);
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == world, "hca alltoall_base: ", splits.size(), " ", what,
+                    " splits for ", world, " ranks");
+  for (int64_t s : splits) TORCH_CHECK_VALUE(s >= 0, "hca alltoall_base: a negative ", what, " split (", s, ")");
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TORCH_CHECK_VALUE(total == t.size(0), "hca alltoall_base: the ", what, " splits add up to ", total,
+                    " rows, but its first dimension is ", t.size(0));
+  return splits;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::GatherOptions& opts) {
+  TORCH_CHECK_VALUE(inputs.size() == 1, "hca gather: expects one input tensor, got ", inputs.size());
+  check_rank(opts.rootRank, getSize(), "dst", "gather");
+  const bool root = opts.rootRank == getRank();
+  std::vector<at::Tensor> all;
+  if (root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == getSize(),
+                      "hca gather: the dst rank needs a gather_list of one tensor per rank (", getSize(), ")");
+    all = outputs[0];
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "hca gather: only the dst rank passes a gather_list");
+  }
+  const size_t input = all.size();
+  all.push_back(inputs[0]);
+  CallArgs args("gather", all);
+  const int64_t numel = static_cast<int64_t>(args.descs()[input].numel);
+  for (size_t j = 0; j < input; ++j) args.check_like(j, input, numel, "a gather_list tensor");
+  std::vector<TensorSpan> spans;
+  for (size_t j = 0; j < static_cast<size_t>(getSize()); ++j) {
+    spans.push_back({args.dense()[input].data_ptr(), root ? args.dense()[j].data_ptr() : nullptr});
+  }
+  std::vector<Collective> cs;
+  cs.push_back(collective(plan_gather(args.descs()[input], getSize(), static_cast<int>(opts.rootRank)),
+                          std::move(spans), ReduceOp::Sum, "gather",
+                          args.text(input, 1) + ", dst=" + std::to_string(opts.rootRank)));
+  std::vector<at::Tensor> results = root ? outputs[0] : std::vector<at::Tensor>{};
+  return launch(c10d::OpType::GATHER, std::move(args), std::move(cs), std::move(results),
+                timeout_or_default(opts.timeout), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == 1, "hca scatter: expects one output tensor, got ", outputs.size());
+  check_rank(opts.rootRank, getSize(), "src", "scatter");
+  const bool root = opts.rootRank == getRank();
+  std::vector<at::Tensor> all{outputs[0]};
+  if (root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
+                      "hca scatter: the src rank needs a scatter_list of one tensor per rank (", getSize(), ")");
+    all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "hca scatter: only the src rank passes a scatter_list");
+  }
+  CallArgs args("scatter", all);
+  const int64_t numel = static_cast<int64_t>(args.descs()[0].numel);
+  for (size_t j = 1; j < all.size(); ++j) args.check_like(j, 0, numel, "a scatter_list tensor");
+  std::vector<TensorSpan> spans;
+  for (int j = 0; j < getSize(); ++j) {
+    spans.push_back({root ? args.dense()[1 + j].data_ptr() : nullptr,
+                     j == getRank() ? args.dense()[0].data_ptr() : nullptr});
+  }
+  std::vector<Collective> cs;
+  cs.push_back(collective(plan_scatter(args.descs()[0], getSize(), static_cast<int>(opts.rootRank)),
+                          std::move(spans), ReduceOp::Sum, "scatter",
+                          args.text(0, 1) + ", src=" + std::to_string(opts.rootRank)));
+  return launch(c10d::OpType::SCATTER, std::move(args), std::move(cs), outputs, timeout_or_default(opts.timeout),
+                opts.asyncOp);
+}
+
+std::vector<int64_t> ProcessGroupHCA::exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout) {
+  at::Tensor in = at::tensor(c10::ArrayRef<int64_t>(mine), at::kLong);
+  at::Tensor out = at::empty({getSize() * static_cast<int64_t>(mine.size())}, at::kLong);
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout;
+  _allgather_base(out, in, opts)->wait();
+  return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_alltoall(
+    c10d::OpType type, CallArgs args, const std::vector<int64_t>& sends, const std::vector<int64_t>& expects,
+    bool equal, const std::vector<const void*>& sources, const std::vector<void*>& targets,
+    std::vector<at::Tensor> outputs, const c10d::AllToAllOptions& opts) {
+  const auto timeout = timeout_or_default(opts.timeout);
+  const int world = getSize(), rank = getRank();
+  const DType dtype = args.descs()[0].dtype;
+  std::vector<size_t> counts(static_cast<size_t>(world) * world, equal ? static_cast<size_t>(sends[0]) : 0);
+  // Equal splits are checked by the signature (it holds the sizes); other
+  // counts are exchanged first, so that every rank builds the same plan.
+  std::string details = equal ? args.text(0, args.descs().size()) : std::string(dtype_name(dtype));
+  if (!equal) {
+    std::vector<int64_t> mine = sends;
+    mine.insert(mine.end(), expects.begin(), expects.end());
+    try {
+      counts = alltoall_counts(exchange(mine, timeout), world);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK_VALUE(false, "hca ", args.name(), ": ", e.what());
+    }
+  }
+  std::vector<TensorSpan> spans;
+  for (int i = 0; i < world; ++i) {
+    for (int j = 0; j < world; ++j) spans.push_back({i == rank ? sources[j] : nullptr, j == rank ? targets[i] : nullptr});
+  }
+  std::vector<Collective> cs;
+  cs.push_back(collective(plan_alltoall(dtype, counts, world), std::move(spans), ReduceOp::Sum, args.name(), details));
+  return launch(type, std::move(args), std::move(cs), std::move(outputs), timeout, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& output_splits,
+                                                              std::vector<int64_t>& input_splits,
+                                                              const c10d::AllToAllOptions& opts) {
+  CallArgs args("alltoall_base", {output, input});
+  args.check_like(0, 1, output.numel(), "the output");
+  const int world = getSize();
+  const auto in_rows = rows_per_rank(input, input_splits, world, "input");
+  const auto out_rows = rows_per_rank(output, output_splits, world, "output");
+  const int64_t row = input.size(0) ? input.numel() / input.size(0) : 0;
+  const int64_t out_row = output.size(0) ? output.numel() / output.size(0) : 0;
+  TORCH_CHECK_VALUE(row == out_row || input.numel() == 0 || output.numel() == 0, "hca alltoall_base: input rows have ",
+                    row, " elements but output rows have ", out_row);
+  std::vector<int64_t> sends, expects;
+  std::vector<const void*> sources;
+  std::vector<void*> targets;
+  int64_t in_at = 0, out_at = 0;
+  for (int j = 0; j < world; ++j) {
+    sends.push_back(in_rows[j] * row);
+    expects.push_back(out_rows[j] * out_row);
+    sources.push_back(byte_offset(args.dense()[1], in_at));
+    targets.push_back(byte_offset(args.dense()[0], out_at));
+    in_at += sends.back();
+    out_at += expects.back();
+  }
+  const bool equal = input_splits.empty() && output_splits.empty() && input.numel() == output.numel();
+  return launch_alltoall(c10d::OpType::ALLTOALL_BASE, std::move(args), sends, expects, equal, sources, targets,
+                         {output}, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  const int world = getSize();
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == world && static_cast<int>(outputs.size()) == world,
+                    "hca alltoall: expects one input and one output tensor per rank (", world, "), got ",
+                    inputs.size(), " and ", outputs.size());
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  CallArgs args("alltoall", all);
+  std::vector<int64_t> sends, expects;
+  std::vector<const void*> sources;
+  std::vector<void*> targets;
+  for (int j = 0; j < world; ++j) {
+    args.check_like(j, world, outputs[j].numel(), "an output tensor");
+    args.check_like(world + j, world, inputs[j].numel(), "an input tensor");
+    sends.push_back(inputs[j].numel());
+    expects.push_back(outputs[j].numel());
+    sources.push_back(args.dense()[world + j].data_ptr());
+    targets.push_back(args.dense()[j].data_ptr());
+  }
+  return launch_alltoall(c10d::OpType::ALLTOALL, std::move(args), sends, expects, false, sources, targets, outputs,
+                         opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                    std::vector<at::Tensor>& inputs,
+                                                                    const c10d::AllgatherOptions& opts) {
+  const int world = getSize();
+  check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == world, "hca allgather_coalesced: ", outputs.size(),
+                    " output lists, expected one per rank (", world, ")");
+  std::vector<at::Tensor> all, results;
+  for (const auto& list : outputs) {
+    TORCH_CHECK_VALUE(list.size() == inputs.size(), "hca allgather_coalesced: an output list has ", list.size(),
+                      " tensors for ", inputs.size(), " inputs");
+    all.insert(all.end(), list.begin(), list.end());
+  }
+  results = all;
+  const size_t first_input = all.size(), k = inputs.size();
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  CallArgs args("allgather_coalesced", all);
+  std::vector<Collective> cs;
+  for (size_t t = 0; t < k; ++t) {
+    const size_t input = first_input + t;
+    std::vector<TensorSpan> spans;
+    for (size_t r = 0; r < static_cast<size_t>(world); ++r) {
+      args.check_like(r * k + t, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
+      spans.push_back({args.dense()[input].data_ptr(), args.dense()[r * k + t].data_ptr()});
+    }
+    cs.push_back(collective(plan_allgather(args.descs()[input], world), std::move(spans), ReduceOp::Sum,
+                            "allgather_coalesced", args.text(input, 1)));
+  }
+  return launch(c10d::OpType::ALLGATHER_COALESCED, std::move(args), std::move(cs), std::move(results),
+                timeout_or_default(opts.timeout), opts.asyncOp);
+}
+
+}  // namespace hca

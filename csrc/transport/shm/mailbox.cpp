@@ -1,0 +1,369 @@
+#include "mailbox.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <stdexcept>
+
+#include "../control/wait.h"
+
+namespace hca::shm {
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x70326870;  // "ph2p"
+constexpr auto kCheckEvery = std::chrono::milliseconds(20);
+
+struct Frame {
+  uint32_t magic;
+  int32_t tag;
+  uint32_t dtype;
+  uint32_t reserved;
+  uint64_t bytes;
+};
+
+struct alignas(kCacheLine) Counter {
+  std::atomic<uint64_t> bytes;
+};
+
+std::string describe(const Message& m, bool is_send) {
+  std::string peer = m.peer < 0 ? std::string("any rank") : "rank " + std::to_string(m.peer);
+  return std::string(is_send ? "send to " : "recv from ") + peer + " (tag " + std::to_string(m.tag) + ", " +
+         std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype) + ")";
+}
+
+// Empty if the frame fits the receive, else why not.
+std::string misfit(const Frame& frame, const Message& m, int src) {
+  const auto dtype = static_cast<DType>(frame.dtype);
+  if (frame.bytes == m.bytes && dtype == m.dtype) return {};
+  return "rank " + std::to_string(src) + " sent " + std::to_string(frame.bytes / element_size(dtype)) + " x " +
+         dtype_name(dtype) + " with tag " + std::to_string(frame.tag) + ", but this recv expects " +
+         std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype);
+}
+
+}  // namespace
+
+struct Mailbox::Channel {
+  Counter written;  // by the sender
+  Counter read;     // by the receiver
+  char* ring() { return reinterpret_cast<char*>(this + 1); }
+};
+
+struct Mailbox::Pending {
+  Message message;
+  bool is_send;
+  std::string operation;
+  Clock::time_point deadline;
+  Frame frame{};     // a send's frame
+  size_t sent = 0;   // a send's frame and payload bytes written so far
+};
+
+struct Mailbox::Stash {
+  int src;
+  Frame frame;
+  std::unique_ptr<char[]> data;
+  bool complete = false;
+  std::shared_ptr<Pending> claimed;  // the receive it belongs to, once posted
+};
+
+struct Mailbox::Incoming {
+  Frame frame{};
+  size_t frame_got = 0, payload_got = 0;
+  char* dest = nullptr;  // where the payload goes; null: discarded
+  std::shared_ptr<Pending> target;
+  std::shared_ptr<Stash> stash;
+};
+
+struct Mailbox::Outgoing {
+  std::deque<std::shared_ptr<Pending>> queue;
+};
+
+Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout)
+    : control_(control),
+      rank_(control.rank()),
+      world_(control.world()),
+      ring_bytes_(ring_bytes),
+      outgoing_(control.world()),
+      incoming_(control.world()) {
+  static_assert(sizeof(Channel) == 2 * kCacheLine, "a channel's counters fill two lines");
+  const size_t channels = static_cast<size_t>(world_) * static_cast<size_t>(world_);
+  segment_ = std::make_unique<SharedSegment>(
+      rendezvous, "hca_p2p", rank_, world_, channels * (sizeof(Channel) + ring_bytes_),
+      static_cast<int>(timeout.count()),
+      [&](char* base) {
+        for (size_t c = 0; c < channels; ++c) new (base + c * (sizeof(Channel) + ring_bytes_)) Channel{};
+      },
+      "every rank must run the same torch_hca build");
+}
+
+Mailbox::~Mailbox() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+Mailbox::Channel& Mailbox::channel(int src, int dst) const {
+  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(world_) + static_cast<size_t>(dst);
+  return *reinterpret_cast<Channel*>(segment_->data() + index * (sizeof(Channel) + ring_bytes_));
+}
+
+void Mailbox::send(Message message) {
+  auto p = std::make_shared<Pending>();
+  p->is_send = true;
+  p->frame = {kFrameMagic, message.tag, static_cast<uint32_t>(message.dtype), 0, message.bytes};
+  p->message = std::move(message);
+  post(std::move(p));
+}
+
+void Mailbox::recv(Message message) {
+  auto p = std::make_shared<Pending>();
+  p->is_send = false;
+  p->message = std::move(message);
+  post(std::move(p));
+}
+
+void Mailbox::post(std::shared_ptr<Pending> p) {
+  p->operation = describe(p->message, p->is_send);
+  p->deadline = Clock::now() + p->message.timeout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inbox_.push_back(std::move(p));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  wake_.notify_one();
+}
+
+void Mailbox::complete(const std::shared_ptr<Pending>& p, int peer, std::exception_ptr error) {
+  auto done = std::move(p->message.done);
+  if (done) done(peer, std::move(error));
+}
+
+namespace {
+
+void ring_write(char* ring, size_t ring_bytes, uint64_t at, const char* from, size_t n) {
+  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
+  std::memcpy(ring + pos, from, first);
+  std::memcpy(ring, from + first, n - first);
+}
+
+void ring_read(const char* ring, size_t ring_bytes, uint64_t at, char* to, size_t n) {
+  if (!to) return;
+  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
+  std::memcpy(to, ring + pos, first);
+  std::memcpy(to + first, ring, n - first);
+}
+
+}  // namespace
+
+void Mailbox::accept(std::shared_ptr<Pending> p) {
+  if (broken_) return complete(p, p->message.peer, broken_);
+  if (p->is_send) return outgoing_[p->message.peer].queue.push_back(std::move(p));
+  const int src = p->message.peer;
+  for (auto it = stashed_.begin(); it != stashed_.end(); ++it) {
+    const auto& stash = *it;
+    if ((src >= 0 && stash->src != src) || stash->frame.tag != p->message.tag) continue;
+    auto found = stash;
+    stashed_.erase(it);
+    if (!found->complete) {
+      found->claimed = std::move(p);
+      return;
+    }
+    const std::string why = misfit(found->frame, p->message, found->src);
+    if (!why.empty()) return complete(p, found->src, std::make_exception_ptr(std::invalid_argument(why)));
+    std::memcpy(p->message.data, found->data.get(), found->frame.bytes);
+    return complete(p, found->src, nullptr);
+  }
+  posted_.push_back(std::move(p));
+}
+
+bool Mailbox::pump_send(int dst) {
+  auto& queue = outgoing_[dst].queue;
+  if (queue.empty()) return false;
+  Channel& ch = channel(rank_, dst);
+  uint64_t written = ch.written.bytes.load(std::memory_order_relaxed);
+  bool moved = false;
+  while (!queue.empty()) {
+    Pending& p = *queue.front();
+    const size_t total = sizeof(Frame) + p.message.bytes;
+    while (p.sent < total) {
+      const uint64_t read = ch.read.bytes.load(std::memory_order_acquire);
+      const size_t space = ring_bytes_ - static_cast<size_t>(written - read);
+      if (space == 0) return moved;
+      const bool in_frame = p.sent < sizeof(Frame);
+      const char* from = in_frame ? reinterpret_cast<const char*>(&p.frame) + p.sent
+                                  : static_cast<const char*>(p.message.data) + (p.sent - sizeof(Frame));
+      const size_t n = std::min(space, in_frame ? sizeof(Frame) - p.sent : total - p.sent);
+      ring_write(ch.ring(), ring_bytes_, written, from, n);
+      written += n;
+      p.sent += n;
+      ch.written.bytes.store(written, std::memory_order_release);
+      moved = true;
+    }
+    complete(queue.front(), dst, nullptr);
+    queue.pop_front();
+  }
+  return moved;
+}
+
+bool Mailbox::pump_recv(int src) {
+  Channel& ch = channel(src, rank_);
+  uint64_t read = ch.read.bytes.load(std::memory_order_relaxed);
+  bool moved = false;
+  for (uint64_t written = ch.written.bytes.load(std::memory_order_acquire); written != read;
+       written = ch.written.bytes.load(std::memory_order_acquire)) {
+    Incoming& in = incoming_[src];
+    const size_t available = static_cast<size_t>(written - read);
+    if (in.frame_got < sizeof(Frame)) {
+      const size_t n = std::min(available, sizeof(Frame) - in.frame_got);
+      ring_read(ch.ring(), ring_bytes_, read, reinterpret_cast<char*>(&in.frame) + in.frame_got, n);
+      in.frame_got += n;
+      read += n;
+      if (in.frame_got == sizeof(Frame)) on_frame(src);
+    } else {
+      const size_t n = std::min<size_t>(available, in.frame.bytes - in.payload_got);
+      ring_read(ch.ring(), ring_bytes_, read, in.dest ? in.dest + in.payload_got : nullptr, n);
+      in.payload_got += n;
+      read += n;
+    }
+    if (in.frame_got == sizeof(Frame) && in.payload_got == in.frame.bytes) finish_frame(src);
+    ch.read.bytes.store(read, std::memory_order_release);
+    moved = true;
+  }
+  return moved;
+}
+
+void Mailbox::on_frame(int src) {
+  Incoming& in = incoming_[src];
+  if (in.frame.magic != kFrameMagic) {
+    throw Failure(FailureKind::Mismatch, "recv from rank " + std::to_string(src), src,
+                  "a corrupt message arrived (every rank must run the same torch_hca build)");
+  }
+  for (auto it = posted_.begin(); it != posted_.end(); ++it) {
+    const Message& m = (*it)->message;
+    if ((m.peer >= 0 && m.peer != src) || m.tag != in.frame.tag) continue;
+    auto p = std::move(*it);
+    posted_.erase(it);
+    const std::string why = misfit(in.frame, p->message, src);
+    if (!why.empty()) return complete(p, src, std::make_exception_ptr(std::invalid_argument(why)));
+    in.dest = static_cast<char*>(p->message.data);
+    in.target = std::move(p);
+    return;
+  }
+  in.stash = std::make_shared<Stash>(Stash{src, in.frame, std::make_unique<char[]>(in.frame.bytes)});
+  in.dest = in.stash->data.get();
+  stashed_.push_back(in.stash);
+}
+
+void Mailbox::finish_frame(int src) {
+  Incoming in = std::move(incoming_[src]);
+  incoming_[src] = Incoming{};
+  if (in.target) complete(in.target, src, nullptr);
+  if (!in.stash) return;
+  in.stash->complete = true;
+  if (auto p = std::move(in.stash->claimed)) {
+    const std::string why = misfit(in.stash->frame, p->message, src);
+    if (!why.empty()) return complete(p, src, std::make_exception_ptr(std::invalid_argument(why)));
+    std::memcpy(p->message.data, in.stash->data.get(), in.stash->frame.bytes);
+    complete(p, src, nullptr);
+  }
+}
+
+void Mailbox::check_deadlines() {
+  const auto now = Clock::now();
+  auto check = [&](const Pending& p, int peer) {
+    const WaitContext ctx{p.deadline, p.operation, p.message.timeout};
+    if (peer >= 0) return control_.check_peer(peer, ctx);
+    const WaitContext liveness{Clock::time_point::max(), p.operation, p.message.timeout};
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_) control_.check_peer(r, liveness);
+    }
+    if (now > p.deadline) {
+      throw Failure(FailureKind::Timeout, p.operation, -1,
+                    "Timed out after " + std::to_string(p.message.timeout.count()) +
+                        " ms: no rank sent a message with this tag");
+    }
+  };
+  for (int r = 0; r < world_; ++r) {
+    for (const auto& p : outgoing_[r].queue) check(*p, r);
+    if (incoming_[r].target) check(*incoming_[r].target, r);
+    if (incoming_[r].stash && incoming_[r].stash->claimed) check(*incoming_[r].stash->claimed, r);
+  }
+  for (const auto& p : posted_) check(*p, p->message.peer);
+}
+
+bool Mailbox::busy() const {
+  if (!posted_.empty()) return true;
+  for (int r = 0; r < world_; ++r) {
+    if (!outgoing_[r].queue.empty() || incoming_[r].frame_got > 0) return true;
+  }
+  return false;
+}
+
+void Mailbox::fail_everything(const std::exception_ptr& error) {
+  broken_ = error;
+  for (int r = 0; r < world_; ++r) {
+    for (auto& p : outgoing_[r].queue) complete(p, r, error);
+    outgoing_[r].queue.clear();
+    if (incoming_[r].target) complete(incoming_[r].target, r, error);
+    if (incoming_[r].stash && incoming_[r].stash->claimed) complete(incoming_[r].stash->claimed, r, error);
+    incoming_[r] = Incoming{};
+  }
+  for (auto& p : posted_) complete(p, p->message.peer, error);
+  posted_.clear();
+  stashed_.clear();
+}
+
+void Mailbox::loop() {
+  std::vector<std::shared_ptr<Pending>> arrived;
+  auto last_moved = Clock::now(), next_check = last_moved + kCheckEvery;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stop_) break;
+      arrived.swap(inbox_);
+    }
+    bool moved = !arrived.empty();
+    for (auto& p : arrived) accept(std::move(p));
+    arrived.clear();
+    const auto now = Clock::now();
+    try {
+      if (!broken_) {
+        for (int peer = 0; peer < world_; ++peer) {
+          if (peer == rank_) continue;
+          moved = pump_send(peer) || moved;
+          moved = pump_recv(peer) || moved;
+        }
+        if (now > next_check) {
+          check_deadlines();
+          next_check = now + kCheckEvery;
+        }
+      }
+    } catch (const Failure& failure) {
+      control_.publish_failure(failure);
+      fail_everything(std::current_exception());
+    }
+    if (moved) {
+      last_moved = now;
+      continue;
+    }
+    // Back off as the control block's waits do: spin, then yield, then sleep.
+    const auto idle = now - last_moved;
+    if (idle < std::chrono::microseconds(50)) {
+      cpu_relax();
+    } else if (idle < std::chrono::milliseconds(1)) {
+      sched_yield();
+    } else {
+      // With nothing of ours in flight, only peers' early messages need draining.
+      const auto pause = busy() ? std::chrono::microseconds(200) : std::chrono::microseconds(2000);
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait_for(lock, pause, [&] { return stop_ || !inbox_.empty(); });
+    }
+  }
+  fail_everything(std::make_exception_ptr(
+      Failure(FailureKind::Unusable, "point-to-point", -1, "the process group was destroyed first")));
+}
+
+}  // namespace hca::shm

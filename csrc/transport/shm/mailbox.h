@@ -1,0 +1,94 @@
+// Point-to-point messages between the ranks of one node over shared memory.
+// Every ordered pair of ranks has a channel: a byte ring written by the sender
+// and drained by the receiver, each side publishing a running byte count. A
+// message is a frame (tag, dtype, size) followed by its bytes, streamed through
+// the ring, so a message may be larger than the ring.
+//
+// One progress thread per process group moves every send and receive at once
+// (isend/irecv and batch_isend_irecv in any order the two sides agree on).
+// Frames are matched to receives by (source, tag) in arrival order; a frame
+// nobody waits for yet is drained into a private buffer, so senders never wait
+// for the receiver to post. Sends and receives are independent of the
+// collective queue, as in gloo.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../control/control_block.h"
+#include "../control/segment.h"
+#include "../rendezvous.h"
+#include "../../plan/types.h"
+
+namespace hca::shm {
+
+struct Message {
+  int peer;  // destination of a send; source of a receive, -1 for any source
+  int tag;
+  DType dtype;
+  void* data;  // read by a send, written by a receive
+  size_t bytes;
+  std::chrono::milliseconds timeout;
+  // Called once, on the progress thread, with the peer that sent or received it
+  // and the error if any: std::invalid_argument for a frame that does not fit
+  // the receive (the channel stays usable), hca::Failure otherwise (the group
+  // is unusable afterwards, as after a failed collective).
+  std::function<void(int peer, std::exception_ptr error)> done;
+};
+
+class Mailbox {
+ public:
+  // Every rank of the group constructs it at init (the channels are one segment).
+  Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout);
+  ~Mailbox();  // fails what is still pending ("the process group was destroyed")
+  Mailbox(const Mailbox&) = delete;
+  Mailbox& operator=(const Mailbox&) = delete;
+
+  void send(Message message);
+  void recv(Message message);
+
+ private:
+  struct Channel;
+  struct Pending;
+  struct Stash;
+  struct Incoming;
+  struct Outgoing;
+
+  void post(std::shared_ptr<Pending> pending);
+  void loop();
+  void accept(std::shared_ptr<Pending> pending);
+  bool pump_send(int dst);
+  bool pump_recv(int src);
+  void on_frame(int src);
+  void finish_frame(int src);
+  void check_deadlines();
+  bool busy() const;  // anything of ours, or a frame, in flight
+  static void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
+  void fail_everything(const std::exception_ptr& error);
+  Channel& channel(int src, int dst) const;
+
+  ControlBlock& control_;
+  int rank_, world_;
+  size_t ring_bytes_;
+  std::unique_ptr<SharedSegment> segment_;
+
+  std::mutex mutex_;  // guards inbox_ and stop_; the rest belongs to the progress thread
+  std::condition_variable wake_;
+  std::vector<std::shared_ptr<Pending>> inbox_;
+  bool stop_ = false;
+  std::thread thread_;  // started by the first message
+
+  std::vector<Outgoing> outgoing_;  // per destination
+  std::vector<Incoming> incoming_;  // per source
+  std::vector<std::shared_ptr<Pending>> posted_;  // receives not matched yet, in posting order
+  std::vector<std::shared_ptr<Stash>> stashed_;   // frames nobody waited for, in arrival order
+  std::exception_ptr broken_;  // once set, every message fails with it
+};
+
+}  // namespace hca::shm

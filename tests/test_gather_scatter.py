@@ -1,0 +1,170 @@
+"""gather, scatter, all_to_all (flat with equal and unequal splits, and the list form),
+all_gather_coalesced and coalesced all_gather_into_tensor: world sizes 1-4, every dtype, blocking
+and async, against each rank's seeded data; mismatched splits and calls give clear errors."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import run_ranks
+from reference import DTYPES, make_input, rank_device
+
+WORLD_SIZES = [1, 2, 3, 4]
+SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
+
+
+def _data(rank, case, numel, dtype):
+    return make_input(case, rank, numel, dtype, "SUM")
+
+
+def _check(errors, name, got, want):
+    got = got.cpu()
+    if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        errors.append(f"{name}: got {got.dtype}{list(got.shape)}, {(got != want).sum().item() if got.shape == want.shape else '-'} differ")
+
+
+def _wait(work, async_op):
+    if async_op:
+        work.wait()
+
+
+def _rooted(rank, world, device, async_op):
+    dev, errors = rank_device(device, rank), []
+    for case, dtype in enumerate(DTYPES):
+        for numel in (1, 1000, 40_000):
+            for root in {0, world - 1}:
+                # gather
+                mine = _data(rank, case, numel, dtype)
+                out = [torch.full((numel,), 7, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
+                _wait(dist.gather(mine.to(dev), out, dst=root, async_op=async_op), async_op)
+                if rank == root:
+                    for j in range(world):
+                        _check(errors, f"gather {dtype} {numel} root {root} from {j}", out[j], _data(j, case, numel, dtype))
+                # scatter
+                parts = [_data(root, 100 + case + j, numel, dtype).to(dev) for j in range(world)]
+                got = torch.full((numel,), 7, dtype=dtype, device=dev)
+                work = dist.scatter(got, parts if rank == root else None, src=root, async_op=async_op)
+                _wait(work, async_op)
+                _check(errors, f"scatter {dtype} {numel} root {root}", got, _data(root, 100 + case + rank, numel, dtype))
+    return errors
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_gather_and_scatter(world, async_op, device):
+    for errors in run_ranks(_rooted, world, device, async_op, env=SMALL_CHUNKS):
+        assert errors == []
+
+
+def _splits(world, case):
+    """The rows rank i sends rank j: uneven, some empty, the same table on every rank."""
+    g = torch.Generator().manual_seed(case)
+    table = torch.randint(0, 4, (world, world), generator=g)
+    table[0, world - 1] = 0
+    return table.tolist()
+
+
+def _alltoall(rank, world, device, async_op):
+    dev, errors = rank_device(device, rank), []
+    for case, dtype in enumerate(DTYPES):
+        # Equal splits, rows of 3 elements.
+        rows = 2
+        mine = _data(rank, case, world * rows * 3, dtype).reshape(world * rows, 3)
+        out = torch.full((world * rows, 3), 7, dtype=dtype, device=dev)
+        _wait(dist.all_to_all_single(out, mine.to(dev), async_op=async_op), async_op)
+        want = torch.cat([_data(i, case, world * rows * 3, dtype).reshape(world * rows, 3)[rank * rows:(rank + 1) * rows]
+                          for i in range(world)])
+        _check(errors, f"all_to_all_single equal {dtype}", out, want)
+        # Unequal splits, rows of 5 elements, some empty; large enough for several rounds.
+        table = _splits(world, case)
+        scale = 3000 if dtype == torch.float32 else 1
+        sends = [table[rank][j] * scale for j in range(world)]
+        expects = [table[i][rank] * scale for i in range(world)]
+        mine = _data(rank, 50 + case, sum(sends) * 5, dtype).reshape(-1, 5)
+        out = torch.full((sum(expects), 5), 7, dtype=dtype, device=dev)
+        _wait(dist.all_to_all_single(out, mine.to(dev), expects, sends, async_op=async_op), async_op)
+        want = []
+        for i in range(world):
+            theirs = _data(i, 50 + case, sum(table[i][j] * scale for j in range(world)) * 5, dtype).reshape(-1, 5)
+            start = sum(table[i][j] * scale for j in range(rank))
+            want.append(theirs[start:start + table[i][rank] * scale])
+        _check(errors, f"all_to_all_single splits {dtype}", out, torch.cat(want))
+        # The list form: tensor j goes to rank j, of a size that depends on both ends.
+        ins = [_data(rank, 200 + case + j, rank + 2 * j + 1, dtype).to(dev) for j in range(world)]
+        outs = [torch.full((i + 2 * rank + 1,), 7, dtype=dtype, device=dev) for i in range(world)]
+        _wait(dist.all_to_all(outs, ins, async_op=async_op), async_op)
+        for i in range(world):
+            _check(errors, f"all_to_all list {dtype} from {i}", outs[i], _data(i, 200 + case + rank, i + 2 * rank + 1, dtype))
+    return errors
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["blocking", "async"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_all_to_all(world, async_op, device):
+    for errors in run_ranks(_alltoall, world, device, async_op, env=SMALL_CHUNKS):
+        assert errors == []
+
+
+def _coalesced(rank, world, device):
+    dev, errors = rank_device(device, rank), []
+    for case, dtype in enumerate(DTYPES):
+        sizes = [1, 513, 20_000]
+        ins = [_data(rank, 300 + case + k, n, dtype).to(dev) for k, n in enumerate(sizes)]
+        outs = [[torch.full((n,), 7, dtype=dtype, device=dev) for n in sizes] for _ in range(world)]
+        dist.all_gather_coalesced(outs, ins)
+        for r in range(world):
+            for k, n in enumerate(sizes):
+                _check(errors, f"all_gather_coalesced {dtype} rank {r} tensor {k}", outs[r][k],
+                       _data(r, 300 + case + k, n, dtype))
+        flats = [torch.full((world * n,), 7, dtype=dtype, device=dev) for n in sizes]
+        with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+            for flat, x in zip(flats, ins):
+                dist.all_gather_into_tensor(flat, x)
+        cm.wait()
+        for k, n in enumerate(sizes):
+            _check(errors, f"coalesced all_gather_into_tensor {dtype} tensor {k}", flats[k],
+                   torch.cat([_data(r, 300 + case + k, n, dtype) for r in range(world)]))
+    return errors
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_allgather_coalesced_forms(world, device):
+    for errors in run_ranks(_coalesced, world, device, env=SMALL_CHUNKS):
+        assert errors == []
+
+
+def _raises(fn, exc_type):
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        return f"UNEXPECTED {type(e).__name__}: {e}"
+    return "UNEXPECTED: no exception"
+
+
+def _bad_calls(rank, world):
+    msgs = {
+        # Rank 0 sends 2 rows to rank 1, which expects 3: every rank learns it from the exchange.
+        "splits": _raises(lambda: dist.all_to_all_single(torch.empty(5), torch.empty(5),
+                                                         [2, 3] if rank == 0 else [3, 2], [2, 3]), ValueError),
+        "split sum": _raises(lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [1] * world, [1, 2]),
+                             ValueError),
+        "indivisible": _raises(lambda: dist.all_to_all_single(torch.empty(3), torch.empty(3)), ValueError),
+    }
+    if world == 1:  # only the dst rank sees its gather_list: alone, nobody else waits for it
+        msgs["gather size"] = _raises(lambda: dist.gather(torch.ones(3), [torch.empty(2)]), ValueError)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    msgs["still works"] = "" if torch.equal(t, torch.full((3,), float(world))) else f"UNEXPECTED {t}"
+    return msgs
+
+
+def test_bad_calls_give_clear_errors():
+    for msgs in run_ranks(_bad_calls, 2):
+        assert "hca alltoall_base: rank 1 sends 2 elements to rank 0, but rank 0 expects 3 from rank 1" in msgs["splits"], msgs
+        assert "the input splits add up to 3 rows, but its first dimension is 4" in msgs["split sum"], msgs
+        assert "first dimension (3) does not divide into 2 equal splits" in msgs["indivisible"], msgs
+        assert msgs["still works"] == "", msgs
+    msgs = run_ranks(_bad_calls, 1)[0]
+    assert "hca gather: a gather_list tensor has 2 elements, expected 3" in msgs["gather size"], msgs
