@@ -26,3 +26,11 @@ def batch_allreduce(tensors: Sequence[torch.Tensor], op=dist.ReduceOp.SUM, group
         return work
     work.wait()
     return None
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False) -> None:
+    """torch.distributed.monitored_barrier for an hca group (torch's own function accepts only
+    gloo groups, though the backend call is generic). Rank 0 waits for every rank and raises
+    naming the first rank (every rank, with `wait_all_ranks`) that did not arrive in time."""
+    group = group or c10d._get_default_group()
+    group.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)  # None: the group's timeout

@@ -1,0 +1,179 @@
+"""The rest of what a gloo user calls on CPU: monitored_barrier, sequence numbers, sparse
+allreduce, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
+collectives that torch.compile emits), each against an independent reference."""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import run_ranks
+from reference import make_input
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def _raises(fn, exc_type):
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        return f"UNEXPECTED {type(e).__name__}: {e}"
+    return "UNEXPECTED: no exception"
+
+
+def _monitored(rank, world, late):
+    torch_hca.monitored_barrier(timeout=timedelta(seconds=5))  # everyone arrives
+    if rank in late:
+        time.sleep(3)
+        return "late"
+    start = time.monotonic()
+    msg = _raises(lambda: torch_hca.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True),
+                  RuntimeError)
+    return msg, time.monotonic() - start
+
+
+def test_monitored_barrier_names_every_missing_rank():
+    results = run_ranks(_monitored, 4, (1, 3), pg_timeout_s=20)
+    msg, elapsed = results[0]
+    assert "Ranks 1, 3 failed to pass monitoredBarrier in 1000 ms" in msg, msg
+    assert elapsed < 4
+    msg, _ = results[2]  # waits for rank 0, which gives up
+    assert "monitoredBarrier" in msg and "rank 0" in msg, msg
+
+
+def _monitored_first(rank, world):
+    if rank == 2:
+        time.sleep(2)
+        return None
+    return _raises(lambda: dist.group.WORLD.monitored_barrier(timedelta(seconds=1)), RuntimeError)
+
+
+def test_monitored_barrier_names_the_first_missing_rank():
+    msg = run_ranks(_monitored_first, 3, pg_timeout_s=20)[0]
+    assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in msg, msg
+
+
+def _sequence(rank, world):
+    # torch's ProcessGroup wrapper answers only for gloo/nccl/ucc/xccl; split_group and
+    # debugging tools call the backend, as here.
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    pg._set_sequence_number_for_group()
+    start = pg._get_sequence_number_for_group()
+    for _ in range(3):
+        dist.all_reduce(torch.ones(2))
+    dist.barrier()
+    return start, pg._get_sequence_number_for_group()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sequence_numbers_count_collectives(world):
+    assert run_ranks(_sequence, world) == [(0, 4)] * world
+
+
+def _sparse_input(rank, world, dtype):
+    g = torch.Generator().manual_seed(rank)
+    nnz = 3 + 2 * rank  # different counts per rank, indices overlapping across ranks
+    indices = torch.randint(0, 6, (2, nnz), generator=g)
+    values = make_input(rank, rank, nnz * 4, dtype, "SUM").reshape(nnz, 4)
+    return torch.sparse_coo_tensor(indices, values, (6, 6, 4))
+
+
+def _sparse(rank, world):
+    errors = []
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        t = _sparse_input(rank, world, dtype)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        want = sum(_sparse_input(r, world, dtype).to(torch.float64).to_dense() for r in range(world))
+        got = t.to_dense().to(torch.float64)
+        if not t.is_sparse or not torch.allclose(got, want, rtol=1e-6, atol=1e-5):
+            errors.append(f"{dtype}: max error {(got - want).abs().max().item()}")
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_sparse_allreduce_sums_like_gloo(world):
+    for errors in run_ranks(_sparse, world):
+        assert errors == []
+
+
+def _dtensor(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+    errors = []
+    mesh = init_device_mesh("cpu", (world,))
+    if mesh.get_group()._get_backend(torch.device("cpu")).name() != "hca":
+        errors.append("the mesh's group is not hca")
+    full = make_input(7, 0, world * 6 * 10, torch.float32, "SUM").reshape(world * 6, 10)
+    sharded = distribute_tensor(full, mesh, [Shard(0)])  # every rank holds `full`: the same seed
+    replicated = sharded.redistribute(mesh, [Replicate()])  # all_gather
+    if not torch.equal(replicated.to_local(), full):
+        errors.append("Shard(0) -> Replicate")
+    by_columns = sharded.redistribute(mesh, [Shard(1)])  # all_to_all
+    if not torch.equal(by_columns.full_tensor(), full):
+        errors.append("Shard(0) -> Shard(1)")
+    mine = make_input(8, rank, world * 6 * 10, torch.float64, "SUM").reshape(world * 6, 10)
+    want = sum(make_input(8, r, world * 6 * 10, torch.float64, "SUM").reshape(world * 6, 10) for r in range(world))
+    partial = torch.distributed.tensor.DTensor.from_local(mine, mesh, [Partial()])
+    if not torch.allclose(partial.redistribute(mesh, [Replicate()]).to_local(), want):  # all_reduce
+        errors.append("Partial -> Replicate")
+    shard = partial.redistribute(mesh, [Shard(0)]).to_local()  # reduce_scatter
+    if not torch.allclose(shard, want[rank * 6:(rank + 1) * 6]):
+        errors.append("Partial -> Shard(0)")
+    if world % 2 == 0:
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        t = torch.full((4,), float(rank))
+        dist.all_reduce(t, group=mesh2.get_group("tp"))
+        members = [r for r in range(world) if r // (world // 2) == rank // (world // 2)]
+        if not torch.equal(t, torch.full((4,), float(sum(members)))):
+            errors.append(f"2-D mesh tp group: {t}")
+    return errors
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_device_mesh_and_dtensor_redistribute(world):
+    for errors in run_ranks(_dtensor, world):
+        assert errors == []
+
+
+def _functional(rank, world):
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+    errors = []
+    x = make_input(9, rank, world * 8, torch.float32, "SUM")
+    everyone = [make_input(9, r, world * 8, torch.float32, "SUM") for r in range(world)]
+    total = torch.stack([e.double() for e in everyone]).sum(0).float()
+
+    def step(t):
+        reduced = funcol.all_reduce(t, "sum", group)
+        gathered = funcol.all_gather_tensor(t, 0, group)
+        scattered = funcol.reduce_scatter_tensor(t, "sum", 0, group)
+        swapped = funcol.all_to_all_single(t, None, None, group)
+        sent = funcol.broadcast(t, 0, group)
+        return reduced, gathered, scattered, swapped, sent
+
+    for name, fn in (("eager", step), ("compiled", torch.compile(step, backend="aot_eager", fullgraph=True))):
+        reduced, gathered, scattered, swapped, sent = (r.wait() if hasattr(r, "wait") else r for r in fn(x))
+        want_swap = torch.cat([e[rank * 8:(rank + 1) * 8] for e in everyone])
+        checks = {
+            "all_reduce": torch.allclose(reduced, total, atol=1e-5),
+            "all_gather_tensor": torch.equal(gathered, torch.cat(everyone)),
+            "reduce_scatter_tensor": torch.allclose(scattered, total[rank * 8:(rank + 1) * 8], atol=1e-5),
+            "all_to_all_single": torch.equal(swapped, want_swap),
+            "broadcast": torch.equal(sent, everyone[0]),
+        }
+        errors += [f"{name} {k}" for k, ok in checks.items() if not ok]
+    return errors
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_functional_collectives_eager_and_compiled(world):
+    for errors in run_ranks(_functional, world, env={"TORCHINDUCTOR_CACHE_DIR": os.path.join("/tmp", "hca-inductor")}):
+        assert errors == []
