@@ -75,6 +75,28 @@ def test_sequence_numbers_count_collectives(world):
     assert run_ranks(_sequence, world) == [(0, 4)] * world
 
 
+def _objects(rank, world):
+    """The object collectives ride on gather, scatter, allgather and broadcast."""
+    mine = {"rank": rank, "payload": list(range(rank * 3))}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    got = [None]
+    dist.scatter_object_list(got, [{"to": j, "blob": "x" * (j * 100)} for j in range(world)] if rank == world - 1 else None,
+                             src=world - 1)
+    box = [mine] if rank == 0 else [None]
+    dist.broadcast_object_list(box, src=0)
+    want = [{"rank": r, "payload": list(range(r * 3))} for r in range(world)]
+    return ((gathered == want) if rank == 0 else True, everyone == want, got[0] == {"to": rank, "blob": "x" * (rank * 100)},
+            box[0] == want[0])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_object_collectives(world):
+    assert run_ranks(_objects, world) == [(True, True, True, True)] * world
+
+
 def _sparse_input(rank, world, dtype):
     g = torch.Generator().manual_seed(rank)
     nnz = 3 + 2 * rank  # different counts per rank, indices overlapping across ranks
