@@ -120,6 +120,50 @@ def time_batches(rank, world, timer_group):
     return rows
 
 
+LATENCY_SIZES = [4, 256, 4 << 10, 64 << 10]
+
+
+def time_latency(rank, world, timer_group, device):
+    """Small allreduces, blocking and async + wait(), for gloo and hca (default options): mean
+    microseconds per call over batches of calls (median batch, slowest rank)."""
+    dev = rank_device(device, rank)
+    rows = []
+    for label, backend in (("gloo", "gloo"), ("hca", "hca")):
+        group = dist.new_group(backend=backend) if backend != "gloo" else timer_group
+        for nbytes in LATENCY_SIZES:
+            t = torch.zeros(max(1, nbytes // 4), device=dev)
+            calls = 200 if nbytes <= 4096 else 50
+            for mode, fn in (("blocking", lambda: dist.all_reduce(t, group=group)),
+                             ("async", lambda: dist.all_reduce(t, group=group, async_op=True).wait())):
+                fn = synchronized(fn, dev)
+                for _ in range(calls):
+                    fn()
+                samples = []
+                for _ in range(25):
+                    dist.barrier(group=timer_group)
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fn()
+                    samples.append((time.perf_counter() - start) / calls)
+                median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+                dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
+                rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=median.item() * 1e6))
+    return rows
+
+
+def print_latency(latency):
+    """One line per (ranks, size): each backend's blocking and async time, and async / blocking."""
+    if not latency:
+        return
+    cell = {(r["backend"], r["mode"], r["world_size"], r["size"]): r["time_us"] for r in latency}
+    print("\n# small allreduce latency (us per call; async = async_op=True then wait())")
+    print("| ranks | size | gloo blocking | gloo async | hca blocking | hca async | hca async/blocking |")
+    print("|---|---|---|---|---|---|---|")
+    for world, size in dict.fromkeys((r["world_size"], r["size"]) for r in latency):
+        g_b, g_a, h_b, h_a = (cell[(b, m, world, size)] for b in ("gloo", "hca") for m in ("blocking", "async"))
+        print(f"| {world} | {size} B | {g_b:.1f} | {g_a:.1f} | {h_b:.1f} | {h_a:.1f} | {h_a / h_b:.2f} |")
+
+
 def worker(rank, world, init, sizes, ops, out_path, device):
     import torch_hca  # noqa: F401
 
@@ -131,6 +175,9 @@ def worker(rank, world, init, sizes, ops, out_path, device):
     if "batch" in ops:
         rows += time_batches(rank, world, timer_group)
         ops = [op for op in ops if op != "batch"]
+    if "latency" in ops:
+        rows += time_latency(rank, world, timer_group, device)
+        ops = [op for op in ops if op != "latency"]
     for label, backend, options in backends(world, device):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
@@ -215,7 +262,7 @@ def print_speedups(speedups):
         print(f"| {op} | {world} | {size} | " + " | ".join(row) + " |")
 
 
-def plot(rows, path, title):
+def plot(rows, path, title, memcpy_gbps, bound_label):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,6 +278,14 @@ def plot(rows, path, title):
             style = "--" if label == "gloo" else "-"
             axes[0][col].plot([p["size"] for p in pts], [p["busbw"] for p in pts], style, marker=".", label=label)
             axes[1][col].plot([p["size"] for p in pts], [p["time_us"] for p in pts], style, marker=".", label=label)
+        # The physical bound: busbw at the copy bandwidth measured in this run (nccl-tests' busbw
+        # counts the bytes each rank must move), and the time that takes at each size.
+        sizes = sorted({r["size"] for r in rows if r["op"] == op and r["world_size"] == world})
+        factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
+        axes[0][col].axhline(memcpy_gbps, color="black", linestyle=":", label=bound_label)
+        if factor > 0:
+            axes[1][col].plot(sizes, [s * factor / memcpy_gbps / 1e3 for s in sizes], ":", color="black",
+                              label=bound_label)
         axes[0][col].set_title(f"{op}, {world} ranks")
         axes[0][col].set_ylabel("busbw (GB/s)")
         axes[1][col].set_ylabel("time (us)")
@@ -251,8 +306,10 @@ def main(argv=None):
     parser.add_argument("--min-bytes", default="4")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
-    parser.add_argument("--ops", default="allreduce,broadcast",
-                        help="allreduce, broadcast, and/or batch (100 tensors of 4 KiB-4 MiB)")
+    parser.add_argument("--ops", default="allreduce,broadcast,latency",
+                        help="allreduce, broadcast, batch (100 tensors of 4 KiB-4 MiB), latency "
+                             "(4 B-64 KiB allreduce, blocking and async)")
+    parser.add_argument("--latency-world-sizes", default="1,2,3,4", help="world sizes of the latency table")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="tensors' device (auto: cuda when a GPU is present)")
@@ -262,18 +319,25 @@ def main(argv=None):
         sizes.append(n)
         n *= args.step
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    ops = args.ops.split(",")
+    runs = [(int(w), [op for op in ops if op != "latency"]) for w in args.world_sizes.split(",")]
+    if "latency" in ops:
+        runs += [(int(w), ["latency"]) for w in args.latency_world_sizes.split(",")]
     rows = []
-    for world in (int(w) for w in args.world_sizes.split(",")):
+    for world, run_ops in runs:
+        if not run_ops:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, args.ops.split(","), out, device),
-                     nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device), nprocs=world)
             with open(out) as f:
                 rows += json.load(f)
-    batches = [r for r in rows if r["op"] == "batch100"]
-    rows = [r for r in rows if r["op"] != "batch100"]
+    batches = [r for r in rows if r.get("op") == "batch100"]
+    latency = [r for r in rows if "mode" in r]
+    rows = [r for r in rows if r.get("op") not in ("batch100", None)]
     print_table(rows)
     print_batches(batches)
+    print_latency(latency)
     memcpy = memcpy_bandwidth(device)
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth ({'device to device' if device == 'cuda' else 'one core'}): {memcpy:.2f} GB/s")
@@ -285,9 +349,10 @@ def main(argv=None):
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, batches=batches, speedup_vs_gloo=speedups), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, batches=batches, latency=latency, speedup_vs_gloo=speedups), f, indent=1)
     if rows:
-        plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}")
+        bound = f"bound: {'device-to-device copy' if device == 'cuda' else 'one core memcpy'} {memcpy:.1f} GB/s"
+        plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}", memcpy, bound)
     print(f"\nwrote {os.path.join(args.out, name)}.json and .png")
 
 

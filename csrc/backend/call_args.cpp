@@ -63,6 +63,13 @@ std::string CallArgs::text(size_t first, size_t count) const {
   return text + "]";
 }
 
+void CallArgs::append_key(std::string& key, size_t first, size_t count) const {
+  for (size_t i = first; i < first + count; ++i) {
+    key.append(reinterpret_cast<const char*>(&descs_[i].dtype), sizeof(descs_[i].dtype));
+    key.append(reinterpret_cast<const char*>(&descs_[i].numel), sizeof(descs_[i].numel));
+  }
+}
+
 ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op) const {
   static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
   switch (op.op_) {

@@ -27,6 +27,8 @@ class CallArgs {
   const std::vector<at::Tensor>& dense() const { return dense_; }
   // "Float[3+4],Long[5]" for tensors [first, first + count).
   std::string text(size_t first, size_t count) const;
+  // What identifies tensors [first, first + count) for the plan cache: dtypes and sizes, as bytes.
+  void append_key(std::string& key, size_t first, size_t count) const;
   // The plan's op for `op` on every tensor's dtype, or a ValueError.
   ReduceOp reduce_op(const c10d::ReduceOp& op) const;
   // Each of [first, first + count) read and written in place.

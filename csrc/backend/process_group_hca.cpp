@@ -53,17 +53,39 @@ std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milli
   return timeout == c10d::kUnsetTimeout ? timeout_ : timeout;
 }
 
-Collective ProcessGroupHCA::collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op,
-                                       const char* name, const std::string& details) const {
+std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
   std::string text = std::string(name) + "(" + details + ", " + algorithm_name(options_.algorithm) +
                      ", num_packs=" + std::to_string(options_.packing.num_packs) + ")";
   // Long descriptions are cut to fit the control block; a hash keeps them exact.
   if (text.size() > 200) text = text.substr(0, 180) + "... #" + std::to_string(std::hash<std::string>{}(text));
+  return text;
+}
+
+Collective ProcessGroupHCA::collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op,
+                                       const char* name, const std::string& details) const {
   Collective c;
   c.plan = std::make_shared<const std::vector<PackPlan>>(std::move(plan));
   c.tensors = std::move(spans);
   c.op = op;
-  c.signature = std::move(text);
+  c.signature = signature(name, details);
+  return c;
+}
+
+Collective ProcessGroupHCA::cached_collective(const char* name, const CallArgs& args, ReduceOp op, int64_t root,
+                                              const std::function<std::vector<PackPlan>()>& plan,
+                                              const std::function<std::string()>& details) {
+  std::string key(name);
+  key.push_back(static_cast<char>(op));
+  key.append(reinterpret_cast<const char*>(&root), sizeof(root));
+  args.append_key(key, 0, args.descs().size());
+  auto entry = plans_.get(key, [&] {
+    return PlanCache::Entry{std::make_shared<const std::vector<PackPlan>>(plan()), signature(name, details())};
+  });
+  Collective c;
+  c.plan = std::move(entry.plan);
+  c.tensors = args.in_place(0, args.descs().size());
+  c.op = op;
+  c.signature = std::move(entry.signature);
   return c;
 }
 
@@ -103,8 +125,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
   CallArgs args("allreduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
-  cs.push_back(collective(plan_allreduce(args.descs(), getSize(), options_), args.in_place(0, tensors.size()), op,
-                          "allreduce", args.text(0, tensors.size()) + ", " + op_name(op)));
+  cs.push_back(cached_collective(
+      "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_); },
+      [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
   return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                 opts.asyncOp);
 }
@@ -120,9 +143,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
   check_rank(opts.rootRank, getSize(), "src", "broadcast");
   CallArgs args("broadcast", tensors);
   std::vector<Collective> cs;
-  cs.push_back(collective(plan_broadcast(args.descs(), getSize(), static_cast<int>(opts.rootRank)),
-                          args.in_place(0, tensors.size()), ReduceOp::Sum, "broadcast",
-                          args.text(0, tensors.size()) + ", src=" + std::to_string(opts.rootRank)));
+  const int src = static_cast<int>(opts.rootRank);
+  cs.push_back(cached_collective(
+      "broadcast", args, ReduceOp::Sum, src, [&] { return plan_broadcast(args.descs(), getSize(), src); },
+      [&] { return args.text(0, tensors.size()) + ", src=" + std::to_string(src); }));
   return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                 opts.asyncOp);
 }
@@ -134,10 +158,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   CallArgs args("reduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
-  cs.push_back(collective(plan_reduce(args.descs(), getSize(), static_cast<int>(opts.rootRank), options_),
-                          args.in_place(0, tensors.size()), op, "reduce",
-                          args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" +
-                              std::to_string(opts.rootRank)));
+  const int dst = static_cast<int>(opts.rootRank);
+  cs.push_back(cached_collective(
+      "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_); },
+      [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
   return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                 opts.asyncOp);
 }

@@ -15,6 +15,7 @@
 #include "../transport/executor.h"
 #include "../transport/shm/mailbox.h"
 #include "call_args.hpp"
+#include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
 #include "work_hca.hpp"
 
@@ -112,6 +113,13 @@ class ProcessGroupHCA : public c10d::Backend {
                                                  const std::vector<const void*>& sources,
                                                  const std::vector<void*>& targets, std::vector<at::Tensor> outputs,
                                                  const c10d::AllToAllOptions& opts);
+  // "allreduce(Float[10], SUM, hierarchical_copy, num_packs=1)": what every rank must agree on.
+  std::string signature(const char* name, const std::string& details) const;
+  // An in-place collective over every tensor of `args`, its plan and signature
+  // from the cache (made by `plan` and `details` on a miss).
+  Collective cached_collective(const char* name, const CallArgs& args, ReduceOp op, int64_t root,
+                               const std::function<std::vector<PackPlan>()>& plan,
+                               const std::function<std::string()>& details);
   Collective collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op, const char* name,
                         const std::string& details) const;
   Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
@@ -126,6 +134,7 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<Executor> shm_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;
+  PlanCache plans_;
   std::atomic<uint64_t> sequence_{0};
   WorkQueue queue_;  // last: its worker stops before the executors go
 };

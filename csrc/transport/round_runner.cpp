@@ -37,15 +37,19 @@ struct RoundRunner::RoundState {
 
 void RoundRunner::run(const Collective& collective, const WaitContext& ctx) {
   const auto& plan = *collective.plan;
-  for (const auto& p : plan) {
-    if (p.schedule.steps.size() > kMaxSteps) throw std::logic_error("hca: a schedule has too many steps");
+  if (collective.plan != read_plan_) {
+    for (const auto& p : plan) {
+      if (p.schedule.steps.size() > kMaxSteps) throw std::logic_error("hca: a schedule has too many steps");
+    }
+    roles_ = roles_of(plan, rank_);
+    cut_ = cut_rounds(plan, medium_.slot_bytes());
+    read_plan_ = collective.plan;  // held, so that its address cannot name another plan
   }
-  const auto roles = roles_of(plan, rank_);
   const int divisor = collective.op == ReduceOp::Avg ? world_ : 1;
-  for (const Round& pieces : cut_rounds(plan, medium_.slot_bytes())) {
+  for (const Round& pieces : cut_) {
     const uint64_t round = ++rounds_;
     reuse_slot(round, ctx);
-    const RoundState state{collective, pieces, roles, round, medium_.staging(rank_, round), divisor};
+    const RoundState state{collective, pieces, roles_, round, medium_.staging(rank_, round), divisor};
     stage_inputs(state);
     medium_.signal(progress_value(round, 1));
     size_t steps = 0;

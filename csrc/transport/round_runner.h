@@ -4,6 +4,7 @@
 // reused only after every peer has moved past the round that last filled it.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "../plan/rounds.h"
@@ -35,6 +36,10 @@ class RoundRunner {
   Medium& medium_;
   int rank_, world_;
   uint64_t rounds_ = 0;  // data rounds issued by this rank, over all collectives
+  // The last plan's roles and rounds: a repeated (cached) plan is read once.
+  std::shared_ptr<const std::vector<PackPlan>> read_plan_;
+  std::vector<Role> roles_;
+  std::vector<Round> cut_;
   std::vector<const void*> sources_, at_span_;
 };
 
