@@ -34,6 +34,9 @@ def _use_hca():
 
     dist.init_process_group = swap(dist.init_process_group, positional=0)
     dist.new_group = swap(dist.new_group, positional=2)
+    # torch's dist.monitored_barrier refuses every group but gloo's in Python, before calling
+    # the backend; torch_hca.monitored_barrier is the same call without that check.
+    dist.monitored_barrier = torch_hca.monitored_barrier
 
 
 if os.environ.get("HCA_SUITE_BACKEND") == "hca":  # set before the ranks are spawned; they import this module

@@ -15,6 +15,10 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
                                                        device_ ? device_->devices() : std::vector<c10::Device>{})) {}
 
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
+  // A small collective ends within microseconds: poll a little before sleeping
+  // on the condition variable, whose wake-up costs more than the collective.
+  const auto until = std::chrono::steady_clock::now() + kPollBeforeSleeping;
+  while (!c10d::Work::isCompleted() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   const bool done = c10d::Work::wait(timeout);
   synchronize();
   return done;
@@ -58,6 +62,7 @@ WorkQueue::~WorkQueue() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
+    queued_.fetch_add(1, std::memory_order_release);  // ends a poll at once
   }
   ready_.notify_all();
   worker_.join();
@@ -70,7 +75,8 @@ void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline)
     if (!run_inline || unfinished_ > 0) {
       queue_.push_back(work);
       ++unfinished_;
-      ready_.notify_one();
+      queued_.fetch_add(1, std::memory_order_release);
+      if (sleeping_) ready_.notify_one();
       return;
     }
     // Nothing is queued; taken under mutex_, so later submissions run after us.
@@ -82,10 +88,22 @@ void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline)
 void WorkQueue::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty() && !stop_) {
+      // Poll a little before sleeping: the next async call often follows at once.
+      lock.unlock();
+      const auto until = std::chrono::steady_clock::now() + kPollBeforeSleeping;
+      while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::yield();
+      }
+      lock.lock();
+      sleeping_ = true;
+      ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      sleeping_ = false;
+    }
     if (queue_.empty()) return;
     auto work = std::move(queue_.front());
     queue_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
     lock.unlock();
     {
       std::lock_guard<std::mutex> running(running_);

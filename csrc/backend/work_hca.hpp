@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -13,6 +14,9 @@
 #include <thread>
 
 namespace hca {
+
+// How long a waiter polls before it sleeps (a futex wake-up costs tens of microseconds).
+constexpr std::chrono::microseconds kPollBeforeSleeping{100};
 
 // What a Work on device tensors adds to its host body: work issued to a
 // device stream, which the caller's stream must order after.
@@ -84,6 +88,8 @@ class WorkQueue {
   std::condition_variable ready_;
   std::deque<c10::intrusive_ptr<WorkHCA>> queue_;
   size_t unfinished_ = 0;  // queued or running on the worker
+  std::atomic<size_t> queued_{0};  // queue_.size(), read while polling without the lock
+  bool sleeping_ = false;  // the worker waits on ready_
   bool stop_ = false;
   std::thread worker_;
 };

@@ -100,12 +100,23 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
 void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all) {
   const uint64_t n = ++monitored_;
   const WaitContext ctx{Clock::now() + timeout, "monitoredBarrier #" + std::to_string(n), timeout};
+  const std::string ms = std::to_string(timeout.count()) + " ms";
   RankSlot& mine = slot(rank_);
+  // The messages follow gloo's, which tools and torch's tests match.
   if (rank_ != 0) {
     mine.monitored.store(n, std::memory_order_release);
     const RankSlot& root = slot(0);
-    await(0, [&] { return root.monitored.load(std::memory_order_acquire) >= n; }, ctx);
+    try {
+      await(0, [&] { return root.monitored.load(std::memory_order_acquire) >= n; }, ctx);
+    } catch (const Failure& e) {
+      throw Failure(e.kind(), ctx.operation, 0,
+                    "Rank " + std::to_string(rank_) + " successfully reached monitoredBarrier, but received errors "
+                    "while waiting for send/recv from rank 0 (rank 0 releases the barrier): " + e.cause());
+    }
     return;
+  }
+  if (timeout.count() <= 0) {
+    throw Failure(FailureKind::Timeout, ctx.operation, 0, "Rank 0 timed out in monitoredBarrier after " + ms);
   }
   std::string missing;
   int first = -1, count = 0;
@@ -120,8 +131,7 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
   }
   if (first >= 0) {
     throw Failure(FailureKind::Timeout, ctx.operation, first,
-                  (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " +
-                      std::to_string(timeout.count()) + " ms");
+                  (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " + ms);
   }
   mine.monitored.store(n, std::memory_order_release);
 }

@@ -1,0 +1,85 @@
+"""Where a small allreduce's time goes, at world size 1 (nothing moves) and 2.
+
+    python benchmarks/overhead.py [--world-size 2] [--calls 20000]
+
+Rows, each the mean microseconds per call over `calls` calls after a warm-up (rank 0):
+  torch floor      dist.all_reduce on torch's fake backend (it returns at once): torch's Python
+                   wrapper, the c10d dispatcher and a Work, with no backend work at all
+  hca backend      the hca backend's own allreduce([t], opts).wait(), skipping torch's wrapper
+  hca              dist.all_reduce on an hca group (what users call)
+  gloo             dist.all_reduce on a gloo group
+each blocking and with async_op=True then wait()."""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def mean_us(fn, calls):
+    for _ in range(min(calls, 2000)):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def worker(rank, world, init, calls, out):
+    import torch_hca  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    t = torch.zeros(1)
+    hca = dist.new_group(backend="hca")
+    gloo = dist.group.WORLD
+    backend = hca._get_backend(torch.device("cpu"))
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    rows = {}
+    for name, group in (("hca", hca), ("gloo", gloo)):
+        dist.barrier(group=gloo)
+        rows[f"{name} blocking"] = mean_us(lambda: dist.all_reduce(t, group=group), calls)
+        dist.barrier(group=gloo)
+        rows[f"{name} async+wait"] = mean_us(lambda: dist.all_reduce(t, group=group, async_op=True).wait(), calls)
+    dist.barrier(group=gloo)
+    rows["hca backend allreduce().wait()"] = mean_us(lambda: backend.allreduce([t], opts).wait(), calls)
+    if rank == 0:
+        torch.save(rows, out)
+    dist.destroy_process_group()
+
+
+def torch_floor(calls):
+    """dist.all_reduce on torch's fake backend, in this process (world size 1)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    t = torch.zeros(1)
+    rows = {"torch floor blocking (fake backend)": mean_us(lambda: dist.all_reduce(t), calls),
+            "torch floor async+wait (fake backend)": mean_us(lambda: dist.all_reduce(t, async_op=True).wait(), calls)}
+    dist.destroy_process_group()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=20000)
+    args = parser.parse_args()
+    rows = torch_floor(args.calls)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args.calls, out), nprocs=args.world_size)
+        rows.update(torch.load(out))
+    print(f"# 4-byte allreduce, world size {args.world_size}, mean us per call over {args.calls} calls (rank 0)")
+    for name, us in rows.items():
+        print(f"{name:<40} {us:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
