@@ -125,21 +125,22 @@ LATENCY_SIZES = [4, 256, 4 << 10, 64 << 10]
 
 def time_latency(rank, world, timer_group, device):
     """Small allreduces, blocking and async + wait(), for gloo and hca (default options): mean
-    microseconds per call over batches of calls (median batch, slowest rank)."""
+    microseconds per call over a batch of back-to-back calls (median of 15 batches, slowest rank)."""
     dev = rank_device(device, rank)
     rows = []
     for label, backend in (("gloo", "gloo"), ("hca", "hca")):
         group = dist.new_group(backend=backend) if backend != "gloo" else timer_group
         for nbytes in LATENCY_SIZES:
             t = torch.zeros(max(1, nbytes // 4), device=dev)
-            calls = 200 if nbytes <= 4096 else 50
             for mode, fn in (("blocking", lambda: dist.all_reduce(t, group=group)),
                              ("async", lambda: dist.all_reduce(t, group=group, async_op=True).wait())):
                 fn = synchronized(fn, dev)
-                for _ in range(calls):
-                    fn()
+                # Batches of about 5 ms (the same count on every rank), after a warm-up.
+                estimate = torch.tensor([_timed(lambda: [fn() for _ in range(20)]) / 20], dtype=torch.float64)
+                dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
+                calls = int(min(200, max(5, 5e-3 / estimate.item())))
                 samples = []
-                for _ in range(25):
+                for _ in range(15):
                     dist.barrier(group=timer_group)
                     start = time.perf_counter()
                     for _ in range(calls):
@@ -286,6 +287,8 @@ def plot(rows, path, title, memcpy_gbps, bound_label):
         if factor > 0:
             axes[1][col].plot(sizes, [s * factor / memcpy_gbps / 1e3 for s in sizes], ":", color="black",
                               label=bound_label)
+            fastest = min(r["time_us"] for r in rows if r["op"] == op and r["world_size"] == world)
+            axes[1][col].set_ylim(bottom=fastest / 4)  # the bound of tiny messages would flatten the rest
         axes[0][col].set_title(f"{op}, {world} ranks")
         axes[0][col].set_ylabel("busbw (GB/s)")
         axes[1][col].set_ylabel("time (us)")

@@ -3,10 +3,11 @@
     python benchmarks/overhead.py [--world-size 2] [--calls 20000]
 
 Rows, each the mean microseconds per call over `calls` calls after a warm-up (rank 0):
-  torch floor      dist.all_reduce on torch's fake backend (it returns at once): torch's Python
-                   wrapper, the c10d dispatcher and a Work, with no backend work at all
-  hca backend      the hca backend's own allreduce([t], opts).wait(), skipping torch's wrapper
+  fake backend     dist.all_reduce on torch's fake backend, which does nothing: a reference (it
+                   is not a floor: on this VM it measured slower than hca)
   hca              dist.all_reduce on an hca group (what users call)
+  hca backend      the hca backend's own allreduce([t], opts).wait(), without torch's wrapper:
+                   "hca" minus this is torch's share (Python wrapper, dispatcher, Work object)
   gloo             dist.all_reduce on a gloo group
 each blocking and with async_op=True then wait()."""
 from __future__ import annotations
@@ -54,14 +55,14 @@ def worker(rank, world, init, calls, out):
     dist.destroy_process_group()
 
 
-def torch_floor(calls):
+def fake_backend(calls):
     """dist.all_reduce on torch's fake backend, in this process (world size 1)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
     t = torch.zeros(1)
-    rows = {"torch floor blocking (fake backend)": mean_us(lambda: dist.all_reduce(t), calls),
-            "torch floor async+wait (fake backend)": mean_us(lambda: dist.all_reduce(t, async_op=True).wait(), calls)}
+    rows = {"fake backend blocking": mean_us(lambda: dist.all_reduce(t), calls),
+            "fake backend async+wait": mean_us(lambda: dist.all_reduce(t, async_op=True).wait(), calls)}
     dist.destroy_process_group()
     return rows
 
@@ -71,7 +72,7 @@ def main():
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--calls", type=int, default=20000)
     args = parser.parse_args()
-    rows = torch_floor(args.calls)
+    rows = fake_backend(args.calls)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args.calls, out), nprocs=args.world_size)

@@ -65,3 +65,14 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
     if errors or missing:
         raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} (hung or died)" if missing else ""))
     return [got[r][1] if r in got else None for r in range(world_size)]
+
+
+def raises(fn, exc_type):
+    """What `fn` raised as `exc_type` (its message), or a line starting UNEXPECTED."""
+    try:
+        fn()
+    except exc_type as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001
+        return f"UNEXPECTED {type(e).__name__}: {e}"
+    return "UNEXPECTED: no exception"

@@ -10,20 +10,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import run_ranks
+from harness import raises, run_ranks
 from reference import make_input
 
 WORLD_SIZES = [1, 2, 3, 4]
-
-
-def _raises(fn, exc_type):
-    try:
-        fn()
-    except exc_type as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001
-        return f"UNEXPECTED {type(e).__name__}: {e}"
-    return "UNEXPECTED: no exception"
 
 
 def _monitored(rank, world, late):
@@ -32,7 +22,7 @@ def _monitored(rank, world, late):
         time.sleep(3)
         return "late"
     start = time.monotonic()
-    msg = _raises(lambda: torch_hca.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True),
+    msg = raises(lambda: torch_hca.monitored_barrier(timeout=timedelta(seconds=1), wait_all_ranks=True),
                   RuntimeError)
     return msg, time.monotonic() - start
 
@@ -51,7 +41,7 @@ def _monitored_first(rank, world):
     if rank == 2:
         time.sleep(2)
         return None
-    return _raises(lambda: dist.group.WORLD.monitored_barrier(timedelta(seconds=1)), RuntimeError)
+    return raises(lambda: dist.group.WORLD.monitored_barrier(timedelta(seconds=1)), RuntimeError)
 
 
 def test_monitored_barrier_names_the_first_missing_rank():

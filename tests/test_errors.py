@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import RankFailed, run_ranks
+from harness import RankFailed, raises, run_ranks
 
 
 def _shm_entries():
@@ -22,30 +22,20 @@ def no_shm_left():
     assert _shm_entries() == before
 
 
-def _raises(fn, exc_type):
-    try:
-        fn()
-    except exc_type as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001
-        return f"UNEXPECTED {type(e).__name__}: {e}"
-    return "UNEXPECTED: no exception"
-
-
 def _bad_input(rank, world):
     sparse = torch.eye(3).to_sparse()
     msgs = {
-        "sparse max": _raises(lambda: dist.all_reduce(sparse, op=dist.ReduceOp.MAX), ValueError),
-        "float8": _raises(lambda: dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)), TypeError),
-        "avg on int": _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
+        "sparse max": raises(lambda: dist.all_reduce(sparse, op=dist.ReduceOp.MAX), ValueError),
+        "float8": raises(lambda: dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)), TypeError),
+        "avg on int": raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
                               ValueError),
-        "band": _raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError),
-        "bad src": _raises(lambda: dist.broadcast(torch.ones(3), src=world + 5), ValueError),
-        "gather size": _raises(lambda: dist.all_gather([torch.ones(2)] * world, torch.ones(3)), ValueError),
+        "band": raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError),
+        "bad src": raises(lambda: dist.broadcast(torch.ones(3), src=world + 5), ValueError),
+        "gather size": raises(lambda: dist.all_gather([torch.ones(2)] * world, torch.ones(3)), ValueError),
         # torch checks list dtypes itself; hca checks the flat form.
-        "gather dtype": _raises(lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(3, dtype=torch.int64)),
+        "gather dtype": raises(lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(3, dtype=torch.int64)),
                                 ValueError),
-        "flat gather dtype": _raises(lambda: dist.all_gather_into_tensor(torch.ones(3 * world),
+        "flat gather dtype": raises(lambda: dist.all_gather_into_tensor(torch.ones(3 * world),
                                                                          torch.ones(3, dtype=torch.int64)), TypeError),
     }
     # The group still works after rejected calls: nothing was started.
@@ -87,7 +77,7 @@ def _mismatched(rank, world, kind):
     else:
         call = (lambda: dist.all_reduce(torch.ones(10))) if rank else (lambda: dist.broadcast(torch.ones(10), 0))
     start = time.monotonic()
-    msg = _raises(call, dist.DistBackendError)
+    msg = raises(call, dist.DistBackendError)
     return msg, time.monotonic() - start
 
 
@@ -106,7 +96,7 @@ def _dies_mid_collective(rank, world):
         time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
-    msg = _raises(lambda: [dist.all_reduce(torch.ones(1 << 22)) for _ in range(50)], dist.DistBackendError)
+    msg = raises(lambda: [dist.all_reduce(torch.ones(1 << 22)) for _ in range(50)], dist.DistBackendError)
     return msg, time.monotonic() - start
 
 
@@ -115,7 +105,7 @@ def _never_arrives(rank, world):
         time.sleep(6)
         return "", 0.0
     start = time.monotonic()
-    msg = _raises(lambda: dist.all_reduce(torch.ones(100)), dist.DistBackendError)
+    msg = raises(lambda: dist.all_reduce(torch.ones(100)), dist.DistBackendError)
     return msg, time.monotonic() - start
 
 

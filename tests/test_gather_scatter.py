@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import raises, run_ranks
 from reference import DTYPES, make_input, rank_device
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -133,27 +133,17 @@ def test_allgather_coalesced_forms(world, device):
         assert errors == []
 
 
-def _raises(fn, exc_type):
-    try:
-        fn()
-    except exc_type as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001
-        return f"UNEXPECTED {type(e).__name__}: {e}"
-    return "UNEXPECTED: no exception"
-
-
 def _bad_calls(rank, world):
     msgs = {
         # Rank 0 sends 2 rows to rank 1, which expects 3: every rank learns it from the exchange.
-        "splits": _raises(lambda: dist.all_to_all_single(torch.empty(5), torch.empty(5),
+        "splits": raises(lambda: dist.all_to_all_single(torch.empty(5), torch.empty(5),
                                                          [2, 3] if rank == 0 else [3, 2], [2, 3]), ValueError),
-        "split sum": _raises(lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [1] * world, [1, 2]),
+        "split sum": raises(lambda: dist.all_to_all_single(torch.empty(4), torch.empty(4), [1] * world, [1, 2]),
                              ValueError),
-        "indivisible": _raises(lambda: dist.all_to_all_single(torch.empty(3), torch.empty(3)), ValueError),
+        "indivisible": raises(lambda: dist.all_to_all_single(torch.empty(3), torch.empty(3)), ValueError),
     }
     if world == 1:  # only the dst rank sees its gather_list: alone, nobody else waits for it
-        msgs["gather size"] = _raises(lambda: dist.gather(torch.ones(3), [torch.empty(2)]), ValueError)
+        msgs["gather size"] = raises(lambda: dist.gather(torch.ones(3), [torch.empty(2)]), ValueError)
     t = torch.ones(3)
     dist.all_reduce(t)
     msgs["still works"] = "" if torch.equal(t, torch.full((3,), float(world))) else f"UNEXPECTED {t}"

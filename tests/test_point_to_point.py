@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_ranks
+from harness import raises, run_ranks
 from reference import DTYPES, make_input
 
 BIG = 300_001  # float32: 1.2 MB, several trips round a 256 KiB ring
@@ -129,16 +129,6 @@ def test_every_dtype_and_non_contiguous_tensors():
         assert errors == []
 
 
-def _raises(fn, exc_type):
-    try:
-        fn()
-    except exc_type as e:
-        return str(e)
-    except Exception as e:  # noqa: BLE001
-        return f"UNEXPECTED {type(e).__name__}: {e}"
-    return "UNEXPECTED: no exception"
-
-
 def _misfit(rank, world):
     """A message that does not fit the receive fails that receive (ValueError), is consumed,
     and the channel goes on working."""
@@ -148,9 +138,9 @@ def _misfit(rank, world):
         dist.send(torch.arange(4.0), 0, tag=2)
         return {}
     msgs = {
-        "size": _raises(lambda: dist.recv(torch.empty(20), 1), ValueError),
-        "dtype": _raises(lambda: dist.recv(torch.empty(10), 1, tag=1), ValueError),
-        "bad src": _raises(lambda: dist.recv(torch.empty(2), world + 3), ValueError),
+        "size": raises(lambda: dist.recv(torch.empty(20), 1), ValueError),
+        "dtype": raises(lambda: dist.recv(torch.empty(10), 1, tag=1), ValueError),
+        "bad src": raises(lambda: dist.recv(torch.empty(2), world + 3), ValueError),
     }
     t = torch.empty(4)
     dist.recv(t, 1, tag=2)
@@ -171,8 +161,8 @@ def _peer_dies(rank, world):
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
     start = time.monotonic()
-    msg = _raises(lambda: dist.recv(torch.empty(10), 1), dist.DistBackendError)
-    after = _raises(lambda: dist.all_reduce(torch.ones(2)), dist.DistBackendError)
+    msg = raises(lambda: dist.recv(torch.empty(10), 1), dist.DistBackendError)
+    after = raises(lambda: dist.all_reduce(torch.ones(2)), dist.DistBackendError)
     return msg, after, time.monotonic() - start
 
 
@@ -188,7 +178,7 @@ def _silent_peer(rank, world):
         time.sleep(4)
         return None
     start = time.monotonic()
-    msg = _raises(lambda: dist.recv(torch.empty(10), 1, tag=3), dist.DistBackendError)
+    msg = raises(lambda: dist.recv(torch.empty(10), 1, tag=3), dist.DistBackendError)
     return msg, time.monotonic() - start
 
 
@@ -199,7 +189,7 @@ def test_a_silent_peer_times_out_naming_it():
 
 
 def _world_of_one(rank, world):
-    return _raises(lambda: dist.send(torch.ones(1), 0), ValueError)
+    return raises(lambda: dist.send(torch.ones(1), 0), ValueError)
 
 
 def test_a_world_of_one_has_nobody_to_send_to():
