@@ -158,3 +158,21 @@ def test_bad_calls_give_clear_errors():
         assert msgs["still works"] == "", msgs
     msgs = run_ranks(_bad_calls, 1)[0]
     assert "hca gather: a gather_list tensor has 2 elements, expected 3" in msgs["gather size"], msgs
+
+
+def _mismatched(rank, world, kind):
+    if kind == "gather dst":  # every rank thinks it is the root
+        call = lambda: dist.gather(torch.ones(3), [torch.empty(3) for _ in range(world)], dst=rank)  # noqa: E731
+    elif kind == "scatter vs gather":
+        call = (lambda: dist.scatter(torch.empty(3), [torch.ones(3)] * world, src=0)) if rank == 0 else \
+               (lambda: dist.gather(torch.ones(3), dst=0))
+    else:  # alltoall with equal splits against an allreduce
+        call = (lambda: dist.all_to_all_single(torch.empty(2 * world), torch.ones(2 * world))) if rank == 0 else \
+               (lambda: dist.all_reduce(torch.ones(2 * world)))
+    return raises(call, dist.DistBackendError)
+
+
+@pytest.mark.parametrize("kind", ["gather dst", "scatter vs gather", "alltoall vs allreduce"])
+def test_mismatched_calls_are_reported(kind):
+    for msg in run_ranks(_mismatched, 2, kind, pg_timeout_s=20):
+        assert "mismatched calls" in msg, msg
