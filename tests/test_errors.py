@@ -134,6 +134,12 @@ def _first_allreduce(rank, world):
 
 
 def test_different_chunk_sizes_across_ranks_fail_at_init():
-    with pytest.raises(RankFailed, match="TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank"):
-        run_ranks(_first_allreduce, 2, env_per_rank=[{}, {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}], pg_timeout_s=5,
-                  allow_missing=(0,))
+    # Rank 1 refuses rank 0's staging segment and publishes why; rank 0, waiting for it to
+    # attach, raises that cause at once instead of after the 30 s timeout.
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_first_allreduce, 2, env_per_rank=[{}, {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}], pg_timeout_s=30)
+    text = str(failed.value)
+    assert text.count("TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank") == 2, text
+    assert "rank 0:" in text and "rank 1 failed to set up the process group" in text, text
+    assert time.monotonic() - start < 20

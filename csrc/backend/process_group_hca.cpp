@@ -29,9 +29,14 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
     TORCH_CHECK_VALUE(false, e.what());
   }
   StoreRendezvous rendezvous(store);
-  control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
-  shm_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
-  mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, kMailboxRingBytes, timeout);
+  try {
+    control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
+    shm_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
+    mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, kMailboxRingBytes, timeout);
+  } catch (const std::exception& e) {
+    publish_setup_failure(rendezvous, rank, e.what());
+    throw;
+  }
 }
 
 ProcessGroupHCA::~ProcessGroupHCA() = default;

@@ -17,6 +17,7 @@ class StoreRendezvous : public Rendezvous {
     return std::string(bytes.begin(), bytes.end());
   }
   int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  bool has(const std::string& key) override { return store_->check({key}); }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;

@@ -13,6 +13,15 @@ class Rendezvous {
   // Blocks until the key exists (within the store's timeout).
   virtual std::string get(const std::string& key) = 0;
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Whether the key exists, without waiting.
+  virtual bool has(const std::string& key) = 0;
 };
+
+// A rank that fails to set up publishes why under this key (the first cause
+// only), so that ranks waiting for it raise that cause at once.
+constexpr const char* kSetupFailedKey = "hca_setup_failed";
+void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause);
+// Throws std::runtime_error with a peer's published setup failure, if any.
+void check_setup_failure(Rendezvous& rendezvous);
 
 }  // namespace hca

@@ -40,6 +40,16 @@ char* map(int fd, size_t bytes) {
 
 }  // namespace
 
+void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause) {
+  if (rendezvous.add(std::string(kSetupFailedKey) + "_count", 1) == 1) {
+    rendezvous.set(kSetupFailedKey, "rank " + std::to_string(rank) + " failed to set up the process group: " + cause);
+  }
+}
+
+void check_setup_failure(Rendezvous& rendezvous) {
+  if (rendezvous.has(kSetupFailedKey)) throw std::runtime_error("hca: " + rendezvous.get(kSetupFailedKey));
+}
+
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                              int timeout_ms, const std::function<void(char*)>& initialize, const std::string& size_hint)
     : bytes_(bytes) {
@@ -61,17 +71,32 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     rendezvous.set(key, host + "\n" + name);
     // Wait for every other rank to attach, then drop the name.
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (rendezvous.add(key + "_attached", 0) < world - 1) {
+    try {
+      while (rendezvous.add(key + "_attached", 0) < world - 1) {
+        check_setup_failure(rendezvous);
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw std::runtime_error("hca shared memory: not every rank attached to " + name + " within " +
+                                   std::to_string(timeout_ms) + " ms");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    } catch (...) {
+      shm_unlink(name.c_str());
+      munmap(base_, bytes_);
+      base_ = nullptr;
+      throw;
+    }
+    shm_unlink(name.c_str());
+  } else {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (!rendezvous.has(key)) {
+      check_setup_failure(rendezvous);
       if (std::chrono::steady_clock::now() > deadline) {
-        shm_unlink(name.c_str());
-        munmap(base_, bytes_);
-        throw std::runtime_error("hca shared memory: not every rank attached to " + name + " within " +
+        throw std::runtime_error("hca shared memory: rank 0 did not publish the " + key + " segment within " +
                                  std::to_string(timeout_ms) + " ms");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    shm_unlink(name.c_str());
-  } else {
     const std::string published = rendezvous.get(key);
     const size_t cut = published.find('\n');
     const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);
