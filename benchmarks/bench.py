@@ -165,10 +165,12 @@ def print_latency(latency):
         print(f"| {world} | {size} B | {g_b:.1f} | {g_a:.1f} | {h_b:.1f} | {h_a:.1f} | {h_a / h_b:.2f} |")
 
 
-def worker(rank, world, init, sizes, ops, out_path, device):
+def worker(rank, world, init, sizes, ops, out_path, device, pin):
     import torch_hca  # noqa: F401
 
     torch.set_num_threads(1)
+    if pin:  # before any thread starts, so that the backends' threads stay on the rank's core too
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     dev = rank_device(device, rank)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     timer_group = dist.group.WORLD
@@ -312,6 +314,8 @@ def main(argv=None):
     parser.add_argument("--ops", default="allreduce,broadcast,latency",
                         help="allreduce, broadcast, batch (100 tensors of 4 KiB-4 MiB), latency "
                              "(4 B-64 KiB allreduce, blocking and async)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin rank r to core r %% cores (steadier runs; see the README on bimodal runs)")
     parser.add_argument("--latency-world-sizes", default="1,2,3,4", help="world sizes of the latency table")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -332,7 +336,7 @@ def main(argv=None):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device), nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device, args.pin), nprocs=world)
             with open(out) as f:
                 rows += json.load(f)
     batches = [r for r in rows if r.get("op") == "batch100"]
