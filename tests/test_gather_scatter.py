@@ -23,7 +23,10 @@ def _check(errors, name, got, want):
 
 
 def _wait(work, async_op):
+    """The async path: through the Work's Future (as DDP hooks read it), then the Work."""
     if async_op:
+        work.get_future().wait()
+        assert work.is_completed()
         work.wait()
 
 
@@ -110,7 +113,7 @@ def _coalesced(rank, world, device):
         sizes = [1, 513, 20_000]
         ins = [_data(rank, 300 + case + k, n, dtype).to(dev) for k, n in enumerate(sizes)]
         outs = [[torch.full((n,), 7, dtype=dtype, device=dev) for n in sizes] for _ in range(world)]
-        dist.all_gather_coalesced(outs, ins)
+        dist.all_gather_coalesced(outs, ins, async_op=True).wait()  # torch returns the Work's Future here
         for r in range(world):
             for k, n in enumerate(sizes):
                 _check(errors, f"all_gather_coalesced {dtype} rank {r} tensor {k}", outs[r][k],
