@@ -69,12 +69,8 @@ std::string ProcessGroupHCA::signature(const char* name, const std::string& deta
 
 Collective ProcessGroupHCA::collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op,
                                        const char* name, const std::string& details) const {
-  Collective c;
-  c.plan = std::make_shared<const std::vector<PackPlan>>(std::move(plan));
-  c.tensors = std::move(spans);
-  c.op = op;
-  c.signature = signature(name, details);
-  return c;
+  return {std::make_shared<const std::vector<PackPlan>>(std::move(plan)), std::move(spans), op,
+          signature(name, details)};
 }
 
 Collective ProcessGroupHCA::cached_collective(const char* name, const CallArgs& args, ReduceOp op, int64_t root,
@@ -87,12 +83,7 @@ Collective ProcessGroupHCA::cached_collective(const char* name, const CallArgs& 
   auto entry = plans_.get(key, [&] {
     return PlanCache::Entry{std::make_shared<const std::vector<PackPlan>>(plan()), signature(name, details())};
   });
-  Collective c;
-  c.plan = std::move(entry.plan);
-  c.tensors = args.in_place(0, args.descs().size());
-  c.op = op;
-  c.signature = std::move(entry.signature);
-  return c;
+  return {std::move(entry.plan), args.in_place(0, args.descs().size()), op, std::move(entry.signature)};
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallArgs args,

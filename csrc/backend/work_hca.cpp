@@ -3,6 +3,16 @@
 #include <ATen/core/jit_type.h>
 
 namespace hca {
+namespace {
+
+// Yields until `done` holds or kPollBeforeSleeping has passed; the caller sleeps after.
+template <class Done>
+void poll_briefly(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kPollBeforeSleeping;
+  while (!done() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+}
+
+}  // namespace
 
 WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
                  std::shared_ptr<DeviceCompletion> device, std::vector<at::Tensor> stash)
@@ -17,8 +27,7 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
   // A small collective ends within microseconds: poll a little before sleeping
   // on the condition variable, whose wake-up costs more than the collective.
-  const auto until = std::chrono::steady_clock::now() + kPollBeforeSleeping;
-  while (!c10d::Work::isCompleted() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  poll_briefly([this] { return c10d::Work::isCompleted(); });
   const bool done = c10d::Work::wait(timeout);
   synchronize();
   return done;
@@ -91,10 +100,7 @@ void WorkQueue::loop() {
     if (queue_.empty() && !stop_) {
       // Poll a little before sleeping: the next async call often follows at once.
       lock.unlock();
-      const auto until = std::chrono::steady_clock::now() + kPollBeforeSleeping;
-      while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
-        std::this_thread::yield();
-      }
+      poll_briefly([this] { return queued_.load(std::memory_order_acquire) > 0; });
       lock.lock();
       sleeping_ = true;
       ready_.wait(lock, [&] { return stop_ || !queue_.empty(); });

@@ -38,6 +38,20 @@ char* map(int fd, size_t bytes) {
   return static_cast<char*>(p);
 }
 
+// Polls `ready` every millisecond until it holds; throws a peer's published
+// setup failure at once, and `what` + " within N ms" at the deadline.
+template <class Ready>
+void await_setup(Rendezvous& rendezvous, Ready ready, int timeout_ms, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (!ready()) {
+    check_setup_failure(rendezvous);
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error("hca shared memory: " + what + " within " + std::to_string(timeout_ms) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 }  // namespace
 
 void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause) {
@@ -70,16 +84,9 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     initialize(base_);
     rendezvous.set(key, host + "\n" + name);
     // Wait for every other rank to attach, then drop the name.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
     try {
-      while (rendezvous.add(key + "_attached", 0) < world - 1) {
-        check_setup_failure(rendezvous);
-        if (std::chrono::steady_clock::now() > deadline) {
-          throw std::runtime_error("hca shared memory: not every rank attached to " + name + " within " +
-                                   std::to_string(timeout_ms) + " ms");
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
+      await_setup(rendezvous, [&] { return rendezvous.add(key + "_attached", 0) >= world - 1; }, timeout_ms,
+                  "not every rank attached to " + name);
     } catch (...) {
       shm_unlink(name.c_str());
       munmap(base_, bytes_);
@@ -88,15 +95,8 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     }
     shm_unlink(name.c_str());
   } else {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-    while (!rendezvous.has(key)) {
-      check_setup_failure(rendezvous);
-      if (std::chrono::steady_clock::now() > deadline) {
-        throw std::runtime_error("hca shared memory: rank 0 did not publish the " + key + " segment within " +
-                                 std::to_string(timeout_ms) + " ms");
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
+                "rank 0 did not publish the " + key + " segment");
     const std::string published = rendezvous.get(key);
     const size_t cut = published.find('\n');
     const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);

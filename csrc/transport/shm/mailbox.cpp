@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <deque>
 #include <stdexcept>
 
 #include "../control/wait.h"
@@ -32,13 +31,17 @@ std::string describe(const Message& m, bool is_send) {
          std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype) + ")";
 }
 
-// Empty if the frame fits the receive, else why not.
-std::string misfit(const Frame& frame, const Message& m, int src) {
+// Whether a receive takes a frame from `src` with `tag`.
+bool wants(const Message& m, int src, int tag) { return (m.peer < 0 || m.peer == src) && m.tag == tag; }
+
+// Null if the frame fits the receive, else std::invalid_argument saying why not.
+std::exception_ptr misfit(const Frame& frame, const Message& m, int src) {
   const auto dtype = static_cast<DType>(frame.dtype);
-  if (frame.bytes == m.bytes && dtype == m.dtype) return {};
-  return "rank " + std::to_string(src) + " sent " + std::to_string(frame.bytes / element_size(dtype)) + " x " +
-         dtype_name(dtype) + " with tag " + std::to_string(frame.tag) + ", but this recv expects " +
-         std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype);
+  if (frame.bytes == m.bytes && dtype == m.dtype) return nullptr;
+  return std::make_exception_ptr(std::invalid_argument(
+      "rank " + std::to_string(src) + " sent " + std::to_string(frame.bytes / element_size(dtype)) + " x " +
+      dtype_name(dtype) + " with tag " + std::to_string(frame.tag) + ", but this recv expects " +
+      std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype)));
 }
 
 }  // namespace
@@ -72,10 +75,6 @@ struct Mailbox::Incoming {
   char* dest = nullptr;  // where the payload goes; null: discarded
   std::shared_ptr<Pending> target;
   std::shared_ptr<Stash> stash;
-};
-
-struct Mailbox::Outgoing {
-  std::deque<std::shared_ptr<Pending>> queue;
 };
 
 Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout)
@@ -160,27 +159,20 @@ void ring_read(const char* ring, size_t ring_bytes, uint64_t at, char* to, size_
 
 void Mailbox::accept(std::shared_ptr<Pending> p) {
   if (broken_) return complete(p, p->message.peer, broken_);
-  if (p->is_send) return outgoing_[p->message.peer].queue.push_back(std::move(p));
-  const int src = p->message.peer;
+  if (p->is_send) return outgoing_[p->message.peer].push_back(std::move(p));
   for (auto it = stashed_.begin(); it != stashed_.end(); ++it) {
-    const auto& stash = *it;
-    if ((src >= 0 && stash->src != src) || stash->frame.tag != p->message.tag) continue;
-    auto found = stash;
+    if (!wants(p->message, (*it)->src, (*it)->frame.tag)) continue;
+    auto found = std::move(*it);
     stashed_.erase(it);
-    if (!found->complete) {
-      found->claimed = std::move(p);
-      return;
-    }
-    const std::string why = misfit(found->frame, p->message, found->src);
-    if (!why.empty()) return complete(p, found->src, std::make_exception_ptr(std::invalid_argument(why)));
-    std::memcpy(p->message.data, found->data.get(), found->frame.bytes);
-    return complete(p, found->src, nullptr);
+    if (found->complete) return deliver(*found, p);
+    found->claimed = std::move(p);  // delivered when its last byte arrives
+    return;
   }
   posted_.push_back(std::move(p));
 }
 
 bool Mailbox::pump_send(int dst) {
-  auto& queue = outgoing_[dst].queue;
+  auto& queue = outgoing_[dst];
   if (queue.empty()) return false;
   Channel& ch = channel(rank_, dst);
   uint64_t written = ch.written.bytes.load(std::memory_order_relaxed);
@@ -242,12 +234,10 @@ void Mailbox::on_frame(int src) {
                   "a corrupt message arrived (every rank must run the same torch_hca build)");
   }
   for (auto it = posted_.begin(); it != posted_.end(); ++it) {
-    const Message& m = (*it)->message;
-    if ((m.peer >= 0 && m.peer != src) || m.tag != in.frame.tag) continue;
+    if (!wants((*it)->message, src, in.frame.tag)) continue;
     auto p = std::move(*it);
     posted_.erase(it);
-    const std::string why = misfit(in.frame, p->message, src);
-    if (!why.empty()) return complete(p, src, std::make_exception_ptr(std::invalid_argument(why)));
+    if (auto error = misfit(in.frame, p->message, src)) return complete(p, src, error);
     in.dest = static_cast<char*>(p->message.data);
     in.target = std::move(p);
     return;
@@ -263,12 +253,13 @@ void Mailbox::finish_frame(int src) {
   if (in.target) complete(in.target, src, nullptr);
   if (!in.stash) return;
   in.stash->complete = true;
-  if (auto p = std::move(in.stash->claimed)) {
-    const std::string why = misfit(in.stash->frame, p->message, src);
-    if (!why.empty()) return complete(p, src, std::make_exception_ptr(std::invalid_argument(why)));
-    std::memcpy(p->message.data, in.stash->data.get(), in.stash->frame.bytes);
-    complete(p, src, nullptr);
-  }
+  if (auto p = std::move(in.stash->claimed)) deliver(*in.stash, p);
+}
+
+void Mailbox::deliver(const Stash& stash, const std::shared_ptr<Pending>& p) {
+  if (auto error = misfit(stash.frame, p->message, stash.src)) return complete(p, stash.src, error);
+  std::memcpy(p->message.data, stash.data.get(), stash.frame.bytes);
+  complete(p, stash.src, nullptr);
 }
 
 void Mailbox::check_deadlines() {
@@ -287,7 +278,7 @@ void Mailbox::check_deadlines() {
     }
   };
   for (int r = 0; r < world_; ++r) {
-    for (const auto& p : outgoing_[r].queue) check(*p, r);
+    for (const auto& p : outgoing_[r]) check(*p, r);
     if (incoming_[r].target) check(*incoming_[r].target, r);
     if (incoming_[r].stash && incoming_[r].stash->claimed) check(*incoming_[r].stash->claimed, r);
   }
@@ -297,7 +288,7 @@ void Mailbox::check_deadlines() {
 bool Mailbox::busy() const {
   if (!posted_.empty()) return true;
   for (int r = 0; r < world_; ++r) {
-    if (!outgoing_[r].queue.empty() || incoming_[r].frame_got > 0) return true;
+    if (!outgoing_[r].empty() || incoming_[r].frame_got > 0) return true;
   }
   return false;
 }
@@ -305,8 +296,8 @@ bool Mailbox::busy() const {
 void Mailbox::fail_everything(const std::exception_ptr& error) {
   broken_ = error;
   for (int r = 0; r < world_; ++r) {
-    for (auto& p : outgoing_[r].queue) complete(p, r, error);
-    outgoing_[r].queue.clear();
+    for (auto& p : outgoing_[r]) complete(p, r, error);
+    outgoing_[r].clear();
     if (incoming_[r].target) complete(incoming_[r].target, r, error);
     if (incoming_[r].stash && incoming_[r].stash->claimed) complete(incoming_[r].stash->claimed, r, error);
     incoming_[r] = Incoming{};

@@ -13,6 +13,7 @@
 #pragma once
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -58,7 +59,6 @@ class Mailbox {
   struct Pending;
   struct Stash;
   struct Incoming;
-  struct Outgoing;
 
   void post(std::shared_ptr<Pending> pending);
   void loop();
@@ -67,6 +67,8 @@ class Mailbox {
   bool pump_recv(int src);
   void on_frame(int src);
   void finish_frame(int src);
+  // Completes receive `pending` with a stashed frame that has fully arrived.
+  void deliver(const Stash& stash, const std::shared_ptr<Pending>& pending);
   void check_deadlines();
   bool busy() const;  // anything of ours, or a frame, in flight
   static void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
@@ -84,7 +86,7 @@ class Mailbox {
   bool stop_ = false;
   std::thread thread_;  // started by the first message
 
-  std::vector<Outgoing> outgoing_;  // per destination
+  std::vector<std::deque<std::shared_ptr<Pending>>> outgoing_;  // sends in order, per destination
   std::vector<Incoming> incoming_;  // per source
   std::vector<std::shared_ptr<Pending>> posted_;  // receives not matched yet, in posting order
   std::vector<std::shared_ptr<Stash>> stashed_;   // frames nobody waited for, in arrival order
