@@ -6,15 +6,15 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401
-from .backend import BACKEND_NAME, create_backend, register
+from .backend import BACKEND_NAME, create_backend, node_identity, register
 from .collectives import batch_allreduce, monitored_barrier
 from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce, ReductionToOneDevice
-from .explain import Plan, explain
+from .explain import NodePlan, Plan, explain
 from .options import Options
 
 register()
 
 __all__ = [
-    "BACKEND_NAME", "Options", "Plan", "explain", "batch_allreduce", "monitored_barrier", "create_backend",
+    "BACKEND_NAME", "Options", "Plan", "NodePlan", "explain", "batch_allreduce", "monitored_barrier", "create_backend", "node_identity",
     "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice",
 ]

@@ -1,6 +1,7 @@
 """`torch_hca.explain`: the plan of a collective, as data and as text.
 
     python -m torch_hca.explain 8 --num-packs 2
+    python -m torch_hca.explain 4 --nodes a,a,b,b --num-packs 2
 """
 from __future__ import annotations
 
@@ -36,6 +37,20 @@ class Plan:
         return self.text
 
 
+@dataclasses.dataclass
+class NodePlan:
+    """An allreduce across nodes. nodes: each node's ranks. packs: one dict per pack (index,
+    numel, position, leaders): the pack's node leaders, one per node, reduce it inside their
+    node, all-reduce it between nodes, and copy it back inside their node."""
+
+    nodes: List[List[int]]
+    packs: List[dict]
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
 def explain(
     world_size: int,
     algorithm: str = "hierarchical_copy",
@@ -49,15 +64,28 @@ def explain(
     agg_small_grads_max_group: int = 10,
     verbose: bool = False,
     slot_bytes: Optional[int] = None,
-) -> Plan:
+    nodes: Optional[Sequence] = None,
+    inter_node_backend: Optional[str] = None,
+):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
     rounds that cut the packs to fit a staging slot of `slot_bytes` (default: the shared-memory
-    slot, TORCH_HCA_SHM_CHUNK_BYTES). For algorithm="nccl", the packing alone. Prints it if verbose."""
+    slot, TORCH_HCA_SHM_CHUNK_BYTES). For algorithm="nccl", the packing alone. With `nodes` (each
+    rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
+    NodePlan. Prints it if verbose."""
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
-                      agg_small_grads_max_group)
+                      agg_small_grads_max_group, inter_node_backend)
     numels = [int(n) for n in numels]
-    if algorithm == "nccl":
+    identities = None if nodes is None else [str(n) for n in nodes]
+    if identities is not None and len(identities) != world_size:
+        raise ValueError(f"nodes: {len(identities)} node ids for a world of {world_size} ranks")
+    if identities is not None and len(set(identities)) > 1 and algorithm != "nccl":
+        if collective != "allreduce":
+            raise ValueError(f"collective: across nodes, explain shows allreduce only, got {collective!r}")
+        members, _ = _C.nodes(identities)
+        packs, text = _C.explain_nodes(numels, identities, options.plan_options())
+        plan = NodePlan([list(m) for m in members], list(packs), text)
+    elif algorithm == "nccl":
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
@@ -80,11 +108,12 @@ def main(argv=None):
     parser.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce", "broadcast"])
     parser.add_argument("--root", type=int, default=0)
     parser.add_argument("--slot-bytes", type=int, help="staging slot size for the rounds (default: the shm slot)")
+    parser.add_argument("--nodes", help='each rank\'s node, e.g. "a,a,b,b" (allreduce across nodes)')
     args = parser.parse_args(argv)
     groups = [[int(r) for r in g.split(",")] for g in args.groups.split(";")] if args.groups else None
     explain(args.world_size, args.algorithm, args.num_packs, groups, args.reduce_to_device,
             [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True,
-            slot_bytes=args.slot_bytes)
+            slot_bytes=args.slot_bytes, nodes=args.nodes.split(",") if args.nodes else None)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from . import _C
 
 ALGORITHMS = ("hierarchical_copy", "reduce_to_one_device", "nccl")
+INTER_NODE_BACKENDS = ("gloo", "nccl")
 ENV_PREFIX = "TORCH_HCA_"
 
 
@@ -27,6 +28,8 @@ class Options:
     groups: the hierarchy's groups of ranks, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (None: two halves).
     agg_small_grads_max_bytes / agg_small_grads_max_group: with num_packs=0, tensors smaller than
         max_bytes are aggregated into packs of at most max_group tensors.
+    inter_node_backend: the engine between nodes when the ranks span several ("gloo"; None: by
+        device). hca runs CPU tensors across nodes, over gloo; "nccl" is refused there for now.
     """
 
     algorithm: str = "hierarchical_copy"
@@ -35,10 +38,14 @@ class Options:
     groups: Optional[Sequence[Sequence[int]]] = None
     agg_small_grads_max_bytes: int = 0
     agg_small_grads_max_group: int = 10
+    inter_node_backend: Optional[str] = None
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r} (expected one of {', '.join(ALGORITHMS)})")
+        if self.inter_node_backend is not None and self.inter_node_backend not in INTER_NODE_BACKENDS:
+            raise ValueError(f"inter_node_backend: unknown engine {self.inter_node_backend!r} "
+                             f"(expected one of {', '.join(INTER_NODE_BACKENDS)}, or None)")
         _check_int("num_packs", self.num_packs)
         _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, limit=2**63 - 1)
         _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group)
@@ -72,7 +79,8 @@ class Options:
     @classmethod
     def from_env(cls, environ=None) -> "Options":
         """Options from TORCH_HCA_ALGORITHM, _NUM_PACKS, _REDUCE_TO_DEVICE, _GROUPS ("0,1;2,3"),
-        _AGG_SMALL_GRADS_MAX_BYTES and _AGG_SMALL_GRADS_MAX_GROUP; unset ones take the defaults."""
+        _AGG_SMALL_GRADS_MAX_BYTES, _AGG_SMALL_GRADS_MAX_GROUP and _INTER_NODE_BACKEND; unset ones
+        take the defaults."""
         environ = os.environ if environ is None else environ
         values = {}
         for field in dataclasses.fields(cls):
@@ -99,7 +107,7 @@ def _check_int(name, value, limit=2**31 - 1):
 
 
 def _parse(field, text):
-    if field == "algorithm":
+    if field in ("algorithm", "inter_node_backend"):
         return text
     if field == "groups":
         return [[int(r) for r in group.split(",")] for group in text.split(";")]

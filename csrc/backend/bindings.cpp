@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "../plan/rounds.h"
+#include "node_backend.hpp"
 #include "passthrough_backend.hpp"
 #include "process_group_hca.hpp"
 
@@ -129,6 +130,12 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("algorithm"), py::arg("packing"), py::arg("reduce_to_device"), py::arg("groups"))
       .def("validate_for", [](const PlanOptions& o, int world) { validate(o, world); }, py::arg("world_size"))
+      .def(
+          "validate_across_nodes",
+          [](const PlanOptions& o, const std::vector<std::string>& identities) {
+            checked([&] { validate_across_nodes(o, group_by_node(identities)); });
+          },
+          py::arg("node_identities"))
       .def_property_readonly("algorithm", [](const PlanOptions& o) { return algorithm_name(o.algorithm); })
       .def_readonly("packing", &PlanOptions::packing);
 
@@ -155,6 +162,73 @@ PYBIND11_MODULE(_C, m) {
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; });
+
+  using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+  py::class_<NodeBackend, c10d::Backend, c10::intrusive_ptr<NodeBackend>>(m, "NodeBackend")
+      .def(py::init([](int rank, int size, int64_t timeout_ms, const PlanOptions& options,
+                       const std::vector<std::string>& node_identities, const c10::intrusive_ptr<ProcessGroupHCA>& local,
+                       const std::map<int, BackendPtr>& leader_cpu, const std::map<int, BackendPtr>& leader_cuda,
+                       const BackendPtr& world_cpu, const BackendPtr& world_cuda) {
+             std::map<int, Engines> leaders;
+             for (const auto& [position, engine] : leader_cpu) leaders[position].cpu = engine;
+             for (const auto& [position, engine] : leader_cuda) leaders[position].cuda = engine;
+             return c10::make_intrusive<NodeBackend>(rank, size, std::chrono::milliseconds(timeout_ms), options,
+                                                     checked([&] { return group_by_node(node_identities); }), local,
+                                                     std::move(leaders), Engines{world_cpu, world_cuda});
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"), py::arg("node_identities"),
+           py::arg("local"), py::arg("leader_cpu"), py::arg("leader_cuda"), py::arg("world_cpu"),
+           py::arg("world_cuda") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("algorithm", [](const NodeBackend& pg) { return algorithm_name(pg.options().algorithm); })
+      .def_property_readonly("nodes", [](const NodeBackend& pg) { return pg.nodes().members; });
+
+  m.def(
+      "nodes",
+      [](const std::vector<std::string>& identities) {
+        return checked([&] {
+          const Nodes nodes = group_by_node(identities);
+          std::vector<std::vector<int>> leaders;
+          for (int p = 0; p < nodes.positions(); ++p) leaders.push_back(nodes.leaders(p));
+          return py::make_tuple(nodes.members, leaders);
+        });
+      },
+      py::arg("node_identities"));
+  m.def(
+      "exchange_node_identities",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& mine,
+         int64_t timeout_ms) {
+        StoreRendezvous rendezvous(store);
+        return exchange_node_identities(rendezvous, rank, size, mine, static_cast<int>(timeout_ms));
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "publish_setup_failure",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& cause) {
+        StoreRendezvous rendezvous(store);
+        publish_setup_failure(rendezvous, rank, cause);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("cause"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "explain_nodes",
+      [](const std::vector<size_t>& numels, const std::vector<std::string>& identities, const PlanOptions& options) {
+        return checked([&] {
+          const Nodes nodes = group_by_node(identities);
+          validate_across_nodes(options, nodes);
+          py::list packs;
+          for (const Pack& pack : make_packs(float32_tensors(numels), options.packing)) {
+            const int position = pack_position(nodes, options, pack.index);
+            py::dict d;
+            d["index"] = pack.index;
+            d["numel"] = pack.numel;
+            d["position"] = position;
+            d["leaders"] = nodes.leaders(position);
+            packs.append(d);
+          }
+          return py::make_tuple(packs, explain_nodes(float32_tensors(numels), nodes, options));
+        });
+      },
+      py::arg("numels"), py::arg("node_identities"), py::arg("options"));
 
   m.def("default_groups", &default_groups, py::arg("world_size"));
 #ifdef HCA_WITH_CUDA

@@ -41,6 +41,10 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
 
 ProcessGroupHCA::~ProcessGroupHCA() = default;
 
+void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
+  control_->publish_failure(Failure(kind, "", getRank(), cause));
+}
+
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
   if (device.is_cpu()) return *shm_executor_;
 #ifdef HCA_WITH_CUDA

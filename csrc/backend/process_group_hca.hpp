@@ -31,6 +31,10 @@ class ProcessGroupHCA : public c10d::Backend {
 
   const std::string getBackendName() const override { return "hca"; }
   const PlanOptions& options() const { return options_; }
+  // Breaks the group with `cause` (the first one wins): peers waiting on this
+  // rank raise it, and this rank's later calls say the group is unusable. For
+  // failures outside the node's media, e.g. of the stage between nodes.
+  void fail(FailureKind kind, const std::string& cause);
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;

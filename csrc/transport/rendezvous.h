@@ -2,7 +2,9 @@
 // up. The c10d glue adapts c10d::Store to it; transports never see torch.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace hca {
 
@@ -23,5 +25,13 @@ constexpr const char* kSetupFailedKey = "hca_setup_failed";
 void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause);
 // Throws std::runtime_error with a peer's published setup failure, if any.
 void check_setup_failure(Rendezvous& rendezvous);
+// Polls `ready` every millisecond until it holds; throws a peer's published
+// setup failure at once, and `what` + " within N ms" at the deadline.
+void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, int timeout_ms, const std::string& what);
+
+// Every rank's node identity (`mine` on this rank), in rank order: ranks that
+// pass equal identities share a node (its memory, its devices).
+std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
+                                                  int timeout_ms);
 
 }  // namespace hca

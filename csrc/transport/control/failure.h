@@ -15,6 +15,7 @@ enum class FailureKind : uint32_t {
   Mismatch,    // ranks called different collectives
   Unusable,    // an earlier failure broke this group
   Setup,       // a medium could not be set up (e.g. CUDA IPC)
+  BetweenNodes,  // the stage between nodes (an engine among node leaders) failed
 };
 
 class Failure : public std::runtime_error {

@@ -38,31 +38,7 @@ char* map(int fd, size_t bytes) {
   return static_cast<char*>(p);
 }
 
-// Polls `ready` every millisecond until it holds; throws a peer's published
-// setup failure at once, and `what` + " within N ms" at the deadline.
-template <class Ready>
-void await_setup(Rendezvous& rendezvous, Ready ready, int timeout_ms, const std::string& what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  while (!ready()) {
-    check_setup_failure(rendezvous);
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error("hca shared memory: " + what + " within " + std::to_string(timeout_ms) + " ms");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
-
 }  // namespace
-
-void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause) {
-  if (rendezvous.add(std::string(kSetupFailedKey) + "_count", 1) == 1) {
-    rendezvous.set(kSetupFailedKey, "rank " + std::to_string(rank) + " failed to set up the process group: " + cause);
-  }
-}
-
-void check_setup_failure(Rendezvous& rendezvous) {
-  if (rendezvous.has(kSetupFailedKey)) throw std::runtime_error("hca: " + rendezvous.get(kSetupFailedKey));
-}
 
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                              int timeout_ms, const std::function<void(char*)>& initialize, const std::string& size_hint)
@@ -86,7 +62,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     // Wait for every other rank to attach, then drop the name.
     try {
       await_setup(rendezvous, [&] { return rendezvous.add(key + "_attached", 0) >= world - 1; }, timeout_ms,
-                  "not every rank attached to " + name);
+                  "hca shared memory: not every rank attached to " + name);
     } catch (...) {
       shm_unlink(name.c_str());
       munmap(base_, bytes_);
@@ -96,7 +72,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     shm_unlink(name.c_str());
   } else {
     await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
-                "rank 0 did not publish the " + key + " segment");
+                "hca shared memory: rank 0 did not publish the " + key + " segment");
     const std::string published = rendezvous.get(key);
     const size_t cut = published.find('\n');
     const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);

@@ -9,13 +9,23 @@ at::Tensor slice(const at::Tensor& tensor, const Segment& seg) {
   return tensor.view(-1).narrow(0, static_cast<int64_t>(seg.offset), static_cast<int64_t>(seg.numel));
 }
 
-// A pack that is exactly one whole tensor is reduced in place, without a copy.
-bool is_whole_tensor(const Pack& pack, const std::vector<at::Tensor>& tensors) {
-  return pack.segments.size() == 1 && pack.segments[0].offset == 0 &&
-         static_cast<int64_t>(pack.segments[0].numel) == tensors[pack.segments[0].tensor].numel();
+}  // namespace
+
+at::Tensor packed(const std::vector<at::Tensor>& tensors, const Pack& pack) {
+  if (pack.segments.size() == 1) return slice(tensors[pack.segments[0].tensor], pack.segments[0]);
+  std::vector<at::Tensor> parts;
+  for (const Segment& seg : pack.segments) parts.push_back(slice(tensors[seg.tensor], seg));
+  return at::cat(parts);
 }
 
-}  // namespace
+void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, const Pack& pack) {
+  if (pack.segments.size() == 1) return;
+  int64_t at = 0;
+  for (const Segment& seg : pack.segments) {
+    slice(tensors[seg.tensor], seg).copy_(flat.narrow(0, at, static_cast<int64_t>(seg.numel)));
+    at += static_cast<int64_t>(seg.numel);
+  }
+}
 
 PackedAllreduce::PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
                                  c10d::ReduceOp op, std::chrono::milliseconds timeout)
@@ -25,13 +35,7 @@ PackedAllreduce::PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> 
   opts.reduceOp = average_ ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
   opts.timeout = timeout;
   for (const Pack& pack : packs_) {
-    if (is_whole_tensor(pack, tensors_)) {
-      flats_.push_back(tensors_[pack.segments[0].tensor].view(-1));
-    } else {
-      std::vector<at::Tensor> parts;
-      for (const Segment& seg : pack.segments) parts.push_back(slice(tensors_[seg.tensor], seg));
-      flats_.push_back(at::cat(parts));
-    }
+    flats_.push_back(packed(tensors_, pack));
     std::vector<at::Tensor> one{flats_.back()};
     works_.push_back(engine.allreduce(one, opts));
   }
@@ -41,12 +45,7 @@ void PackedAllreduce::finish() {
   for (size_t p = 0; p < packs_.size(); ++p) {
     works_[p]->wait();
     if (average_) flats_[p].div_(world_);
-    if (is_whole_tensor(packs_[p], tensors_)) continue;
-    int64_t at = 0;
-    for (const Segment& seg : packs_[p].segments) {
-      slice(tensors_[seg.tensor], seg).copy_(flats_[p].narrow(0, at, static_cast<int64_t>(seg.numel)));
-      at += static_cast<int64_t>(seg.numel);
-    }
+    unpack(flats_[p], tensors_, packs_[p]);
   }
 }
 

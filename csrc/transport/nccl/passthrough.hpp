@@ -10,6 +10,12 @@
 
 namespace hca::nccl {
 
+// The elements of `pack` as one dense tensor: a view where the pack is one run
+// of one tensor (results land in place), else a concatenated copy.
+at::Tensor packed(const std::vector<at::Tensor>& tensors, const Pack& pack);
+// Copies `flat` (from packed) back into the tensors, where it is a copy.
+void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, const Pack& pack);
+
 // One packed allreduce, issued to the engine on construction (so engine calls
 // keep the caller's order); finish() waits for it and writes the results back.
 class PackedAllreduce {

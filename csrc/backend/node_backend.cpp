@@ -1,0 +1,437 @@
+#include "node_backend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "../transport/nccl/passthrough.hpp"
+#include "call_args.hpp"
+
+namespace hca {
+namespace {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text;
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text;
+}
+
+// Stages sum where the op averages: the division happens once, at the end.
+c10d::ReduceOp stage_op(const c10d::ReduceOp& op) {
+  return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+}
+
+template <class Options>
+Options stage_options(std::chrono::milliseconds timeout) {
+  Options o;
+  o.timeout = timeout;
+  o.asyncOp = false;  // the node's own stages run inline, one after the other
+  return o;
+}
+
+}  // namespace
+
+NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
+                         c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world)
+    : c10d::Backend(rank, size),
+      timeout_(timeout),
+      options_(std::move(options)),
+      nodes_(std::move(nodes)),
+      local_(std::move(local)),
+      leaders_(std::move(leaders)),
+      world_(std::move(world)) {
+  try {
+    validate_across_nodes(options_, nodes_);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  TORCH_CHECK_VALUE(nodes_.world() == size, "hca: ", nodes_.world(), " node identities for ", size, " ranks");
+  TORCH_CHECK_VALUE(world_.cpu, "hca: across nodes, an engine over every rank is needed for CPU tensors");
+  for (int p = 0; p < nodes_.positions(); ++p) {
+    TORCH_CHECK_VALUE(!leads(p) || leaders_.count(p), "hca: rank ", rank, " leads position ", p,
+                      " but has no engine among that position's leaders");
+  }
+}
+
+void NodeBackend::check_device(const at::Device& device, const char* op) const {
+  TORCH_CHECK_NOT_IMPLEMENTED(device.is_cpu(), "hca ", op, ": tensors on ", device, " are not supported across nodes "
+                              "yet (CPU tensors are); algorithm='nccl' carries CUDA tensors across nodes with stock NCCL");
+}
+
+c10d::Backend& NodeBackend::leader_engine(int position, const at::Tensor& tensor) const {
+  const Engines& engines = leaders_.at(position);
+  const auto& engine = tensor.device().is_cuda() ? engines.cuda : engines.cpu;
+  TORCH_CHECK_NOT_IMPLEMENTED(engine, "hca: no engine between nodes for tensors on ", tensor.device(),
+                              " (see the inter_node_backend option)");
+  return *engine;
+}
+
+c10d::Backend& NodeBackend::world_engine(const at::Tensor& tensor, const char* op) const {
+  const auto& engine = tensor.device().is_cuda() ? world_.cuda : world_.cpu;
+  TORCH_CHECK_NOT_IMPLEMENTED(engine, "hca ", op, ": no engine over every rank for tensors on ", tensor.device());
+  return *engine;
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const char* op, std::vector<at::Tensor> outputs,
+                                                   std::function<void()> body, bool async_op) {
+  auto guarded = [this, op, body = std::move(body)] {
+    try {
+      body();
+    } catch (const std::exception& e) {
+      const std::string where = "node " + std::to_string(node()) + " of " + std::to_string(nodes_.count()) +
+                                " (ranks " + ranks_text(nodes_.members[node()]) + ")";
+      const std::string cause = message_of(e);
+      // The node's other ranks may wait on this one in a later stage: tell them.
+      local_->fail(FailureKind::BetweenNodes, "rank " + std::to_string(getRank()) + " on " + where + ": " + cause);
+      C10_THROW_ERROR(DistBackendError, "hca " + std::string(op) + " across nodes failed on rank " +
+                                            std::to_string(getRank()) + ", " + where + ": " + cause);
+    }
+  };
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded));
+  queue_.submit(work, !async_op);
+  return work;
+}
+
+void NodeBackend::allreduce_stages(std::vector<at::Tensor>& flats, const std::vector<int>& positions,
+                                   c10d::ReduceOp op, std::chrono::milliseconds timeout) {
+  auto reduce_opts = stage_options<c10d::ReduceOptions>(timeout);
+  reduce_opts.reduceOp = stage_op(op);
+  for (size_t i = 0; i < flats.size(); ++i) {
+    reduce_opts.rootRank = local_leader(positions[i]);
+    std::vector<at::Tensor> one{flats[i]};
+    local_->reduce(one, reduce_opts)->wait();
+  }
+  c10d::AllreduceOptions across;
+  across.reduceOp = stage_op(op);
+  across.timeout = timeout;
+  std::vector<WorkPtr> works;  // every pack this rank leads, at once
+  for (size_t i = 0; i < flats.size(); ++i) {
+    if (!leads(positions[i])) continue;
+    std::vector<at::Tensor> one{flats[i]};
+    works.push_back(leader_engine(positions[i], flats[i]).allreduce(one, across));
+  }
+  for (auto& w : works) w->wait();
+  auto copy_back = stage_options<c10d::BroadcastOptions>(timeout);
+  for (size_t i = 0; i < flats.size(); ++i) {
+    if (op == c10d::ReduceOp::AVG && leads(positions[i])) flats[i].div_(getSize());
+    copy_back.rootRank = local_leader(positions[i]);
+    std::vector<at::Tensor> one{flats[i]};
+    local_->broadcast(one, copy_back)->wait();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                      const c10d::AllreduceOptions& opts) {
+  check_nonempty(tensors.size(), "the tensor list", "allreduce");
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
+    return world_engine(tensors[0], "allreduce").allreduce(tensors, opts);
+  }
+  CallArgs args("allreduce", tensors);
+  args.reduce_op(opts.reduceOp);
+  check_device(args.device(), "allreduce");
+  auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
+               timeout = timeout_or_default(opts.timeout)] {
+    std::vector<at::Tensor> flats;
+    std::vector<int> positions;
+    for (const Pack& pack : packs) {
+      flats.push_back(nccl::packed(args.dense(), pack));
+      positions.push_back(pack_position(nodes_, options_, pack.index));
+    }
+    allreduce_stages(flats, positions, op, timeout);
+    for (size_t i = 0; i < packs.size(); ++i) nccl::unpack(flats[i], args.dense(), packs[i]);
+    args.write_back();
+  };
+  return launch(c10d::OpType::ALLREDUCE, "allreduce", tensors, std::move(body), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                const c10d::AllreduceCoalescedOptions& opts) {
+  return allreduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                      const c10d::BroadcastOptions& opts) {
+  check_nonempty(tensors.size(), "the tensor list", "broadcast");
+  check_rank(opts.rootRank, getSize(), "src", "broadcast");
+  CallArgs args("broadcast", tensors);
+  check_device(args.device(), "broadcast");
+  auto body = [this, args, src = static_cast<int>(opts.rootRank), timeout = timeout_or_default(opts.timeout)] {
+    // The source leads its own node; every other node's rank at its position receives.
+    const int position = root_position(nodes_, src);
+    if (leads(position)) {
+      c10d::BroadcastOptions across;
+      across.rootRank = nodes_.node_of[src];
+      across.timeout = timeout;
+      std::vector<WorkPtr> works;
+      for (const auto& t : args.dense()) {
+        std::vector<at::Tensor> one{t};
+        works.push_back(leader_engine(position, t).broadcast(one, across));
+      }
+      for (auto& w : works) w->wait();
+    }
+    auto inside = stage_options<c10d::BroadcastOptions>(timeout);
+    inside.rootRank = local_leader(position);
+    std::vector<at::Tensor> dense = args.dense();
+    local_->broadcast(dense, inside)->wait();
+    args.write_back();
+  };
+  return launch(c10d::OpType::BROADCAST, "broadcast", tensors, std::move(body), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  check_nonempty(tensors.size(), "the tensor list", "reduce");
+  check_rank(opts.rootRank, getSize(), "dst", "reduce");
+  CallArgs args("reduce", tensors);
+  args.reduce_op(opts.reduceOp);
+  check_device(args.device(), "reduce");
+  auto body = [this, args, dst = static_cast<int>(opts.rootRank), op = opts.reduceOp,
+               timeout = timeout_or_default(opts.timeout)] {
+    const int position = root_position(nodes_, dst);
+    const bool relays = leads(position) && getRank() != dst;  // a leader of another node
+    // A relaying leader reduces into scratch copies: only dst's tensors change.
+    std::vector<at::Tensor> partial;
+    for (const auto& t : args.dense()) partial.push_back(relays ? t.clone() : t);
+    auto inside = stage_options<c10d::ReduceOptions>(timeout);
+    inside.reduceOp = stage_op(op);
+    inside.rootRank = local_leader(position);
+    local_->reduce(partial, inside)->wait();
+    if (leads(position)) {
+      c10d::ReduceOptions across;
+      across.reduceOp = stage_op(op);
+      across.rootRank = nodes_.node_of[dst];
+      across.timeout = timeout;
+      std::vector<WorkPtr> works;
+      for (const auto& t : partial) {
+        std::vector<at::Tensor> one{t};
+        works.push_back(leader_engine(position, t).reduce(one, across));
+      }
+      for (auto& w : works) w->wait();
+    }
+    if (getRank() == dst) {
+      if (op == c10d::ReduceOp::AVG) {
+        for (auto& t : partial) t.div_(getSize());
+      }
+      args.write_back();
+    }
+  };
+  return launch(c10d::OpType::REDUCE, "reduce", tensors, std::move(body), opts.asyncOp);
+}
+
+void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout) {
+  const int64_t k = input.numel();
+  const int here = static_cast<int>(nodes_.members[node()].size());
+  at::Tensor node_blocks = at::empty({here * k}, input.options());
+  local_->_allgather_base(node_blocks, input, stage_options<c10d::AllgatherOptions>(timeout))->wait();
+  if (leads(0)) {
+    // Nodes may differ in size: each leader sends its node's blocks padded to the largest node.
+    const int64_t widest = nodes_.positions();
+    at::Tensor padded = at::empty({widest * k}, input.options());
+    padded.narrow(0, 0, here * k).copy_(node_blocks);
+    at::Tensor every = at::empty({nodes_.count() * widest * k}, input.options());
+    c10d::AllgatherOptions across;
+    across.timeout = timeout;
+    leader_engine(0, input)._allgather_base(every, padded, across)->wait();
+    std::vector<int64_t> order;  // where rank r's block sits in `every`
+    for (int r = 0; r < getSize(); ++r) order.push_back(nodes_.node_of[r] * widest + nodes_.local_rank[r]);
+    output.view({getSize(), k}).copy_(every.view({nodes_.count() * widest, k}).index_select(0, at::tensor(order)));
+  }
+  auto inside = stage_options<c10d::BroadcastOptions>(timeout);
+  inside.rootRank = local_leader(0);
+  std::vector<at::Tensor> one{output};
+  local_->broadcast(one, inside)->wait();
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
+                    "output list, got ", inputs.size(), " and ", outputs.size());
+  auto& list = outputs[0];
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), "hca allgather: the output list has ", list.size(),
+                    " tensors, expected one per rank (", getSize(), ")");
+  std::vector<at::Tensor> all = list;
+  all.push_back(inputs[0]);
+  CallArgs args("allgather", all);
+  const size_t input = list.size();
+  const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
+  for (size_t j = 0; j < list.size(); ++j) args.check_like(j, input, k, "an output tensor");
+  check_device(args.device(), "allgather");
+  auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
+    at::Tensor in = args.dense()[input];
+    at::Tensor flat = at::empty({getSize() * k}, in.options());
+    allgather_stages(flat, in, timeout);
+    for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
+    args.write_back();
+  };
+  return launch(c10d::OpType::ALLGATHER, "allgather", list, std::move(body), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                            std::vector<at::Tensor>& inputs,
+                                                                            const c10d::AllgatherOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca allgather_into_tensor: ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  CallArgs args("allgather_into_tensor", all);
+  const size_t n = outputs.size();
+  for (size_t i = 0; i < n; ++i) {
+    args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * getSize(), "the output");
+  }
+  check_device(args.device(), "allgather_into_tensor");
+  auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
+    for (size_t i = 0; i < n; ++i) {
+      at::Tensor out = args.dense()[i].view(-1), in = args.dense()[n + i].view(-1);
+      allgather_stages(out, in, timeout);
+    }
+    args.write_back();
+  };
+  return launch(c10d::OpType::_ALLGATHER_BASE, "allgather_into_tensor", outputs, std::move(body), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                                           const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
+                    "and one input list");
+  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(), "hca reduce_scatter: the input list has ",
+                    inputs[0].size(), " tensors, expected one per rank (", getSize(), ")");
+  std::vector<at::Tensor> all{outputs[0]};
+  all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+  const CallArgs checked("reduce_scatter", all);
+  for (size_t j = 1; j < all.size(); ++j) {
+    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
+  }
+  at::Tensor stacked = at::cat(inputs[0]).reshape({-1});
+  std::vector<at::Tensor> outs{outputs[0]}, ins{stacked};
+  return reduce_scatter_tensor_coalesced(outs, ins, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                 const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output}, inputs{input};
+  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                            std::vector<at::Tensor>& inputs,
+                                                                            const c10d::ReduceScatterOptions& opts) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca reduce_scatter_tensor: ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  CallArgs args("reduce_scatter_tensor", all);
+  args.reduce_op(opts.reduceOp);
+  const size_t n = outputs.size();
+  for (size_t i = 0; i < n; ++i) {
+    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * getSize(), "the input");
+  }
+  check_device(args.device(), "reduce_scatter_tensor");
+  // Each input is all-reduced whole (packed and led as an allreduce), and each rank keeps its slice.
+  auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
+    for (size_t i = 0; i < n; ++i) {
+      std::vector<at::Tensor> whole{args.dense()[n + i].reshape({-1}).clone()};
+      const auto packs = make_packs({args.descs()[n + i]}, options_.packing);
+      std::vector<at::Tensor> flats;
+      std::vector<int> positions;
+      for (const Pack& pack : packs) {
+        flats.push_back(nccl::packed(whole, pack));
+        positions.push_back(pack_position(nodes_, options_, pack.index));
+      }
+      allreduce_stages(flats, positions, op, timeout);
+      for (size_t p = 0; p < packs.size(); ++p) nccl::unpack(flats[p], whole, packs[p]);
+      const int64_t k = static_cast<int64_t>(args.descs()[i].numel);
+      args.dense()[i].view(-1).copy_(whole[0].narrow(0, getRank() * k, k));
+    }
+    args.write_back();
+  };
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", outputs, std::move(body), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& opts) {
+  auto body = [this, timeout = timeout_or_default(opts.timeout)] {
+    const auto inside = stage_options<c10d::BarrierOptions>(timeout);
+    local_->barrier(inside)->wait();
+    if (leads(0)) {
+      c10d::BarrierOptions across;
+      across.timeout = timeout;
+      const Engines& engines = leaders_.at(0);
+      (engines.cpu ? engines.cpu : engines.cuda)->barrier(across)->wait();
+    }
+    local_->barrier(inside)->wait();
+  };
+  return launch(c10d::OpType::BARRIER, "barrier", {}, std::move(body), opts.asyncOp);
+}
+
+void NodeBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  world_.cpu->monitoredBarrier(opts, wait_all_ranks);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "gather");
+  return world_engine(inputs[0], "gather").gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                    const c10d::ScatterOptions& opts) {
+  check_nonempty(outputs.size(), "the output list", "scatter");
+  return world_engine(outputs[0], "scatter").scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                          std::vector<int64_t>& output_splits,
+                                                          std::vector<int64_t>& input_splits,
+                                                          const c10d::AllToAllOptions& opts) {
+  return world_engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllToAllOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "alltoall");
+  return world_engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                std::vector<at::Tensor>& inputs,
+                                                                const c10d::AllgatherOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
+  return world_engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "send");
+  return world_engine(tensors[0], "send").send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "recv");
+  return world_engine(tensors[0], "recv").recv(tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "recv");
+  return world_engine(tensors[0], "recv").recvAnysource(tensors, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::endCoalescing() {
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::COALESCED, std::vector<at::Tensor>{}, [] {});
+  queue_.submit(work, false);
+  return work;
+}
+
+}  // namespace hca

@@ -1,0 +1,117 @@
+// `hca` across nodes: hca's own group inside each node, existing engines
+// between the nodes (never a home-made network transport). A reduction runs in
+// three stages over each pack (who leads which pack: plan/nodes.h): every node
+// reduces the pack into its node leader, the pack's node leaders all-reduce it
+// with an engine, and each leader copies the result back inside its node.
+// Broadcast, reduce, allgather and barrier take the same path; operations
+// without a hierarchical form go to an engine over every rank.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <map>
+
+#include "../plan/nodes.h"
+#include "process_group_hca.hpp"
+#include "work_hca.hpp"
+
+namespace hca {
+
+// Stock engines over one set of ranks: for CPU tensors (gloo) and for CUDA
+// tensors (ProcessGroupNCCL, or the engine the user named); either may be null.
+struct Engines {
+  c10::intrusive_ptr<c10d::Backend> cpu, cuda;
+};
+
+class NodeBackend : public c10d::Backend {
+ public:
+  // `local`: hca over this rank's node. `leaders`: for each position this rank
+  // leads, the engines among that position's leaders (one rank per node, in
+  // node order). `world`: engines over every rank.
+  NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
+              c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world);
+
+  const std::string getBackendName() const override { return "hca"; }
+  const Nodes& nodes() const { return nodes_; }
+  const PlanOptions& options() const { return options_; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Through the engine over every rank.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  void startCoalescing() override {}
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+ private:
+  int node() const { return nodes_.node_of[getRank()]; }
+  // This node's leader of `position`, as a rank of the node's own group.
+  int local_leader(int position) const { return nodes_.local_rank[nodes_.leader(node(), position)]; }
+  bool leads(int position) const { return nodes_.leader(node(), position) == getRank(); }
+  c10d::Backend& leader_engine(int position, const at::Tensor& tensor) const;
+  c10d::Backend& world_engine(const at::Tensor& tensor, const char* op) const;
+  // NotImplementedError for tensors this backend does not carry across nodes yet.
+  void check_device(const at::Device& device, const char* op) const;
+
+  // The three stages of an allreduce of `flats` (dense, one per pack), pack i
+  // led from positions[i]; AVG sums and divides once, on the leader.
+  void allreduce_stages(std::vector<at::Tensor>& flats, const std::vector<int>& positions, c10d::ReduceOp op,
+                        std::chrono::milliseconds timeout);
+  // allgather of one dense input into one dense output of world blocks.
+  void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout);
+  // Queues `body`; a failure breaks the node's group (its ranks stop waiting on
+  // this one) and surfaces as DistBackendError naming the op and this node.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* op, std::vector<at::Tensor> outputs,
+                                        std::function<void()> body, bool async_op);
+  std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const {
+    return timeout == c10d::kUnsetTimeout ? timeout_ : timeout;
+  }
+
+  std::chrono::milliseconds timeout_;
+  PlanOptions options_;
+  Nodes nodes_;
+  c10::intrusive_ptr<ProcessGroupHCA> local_;
+  std::map<int, Engines> leaders_;
+  Engines world_;
+  WorkQueue queue_;  // last: its worker stops before the groups go
+};
+
+}  // namespace hca

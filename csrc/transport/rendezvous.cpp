@@ -1,0 +1,44 @@
+#include "rendezvous.h"
+
+#include <chrono>
+#include <stdexcept>
+#include <thread>
+
+namespace hca {
+
+void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause) {
+  if (rendezvous.add(std::string(kSetupFailedKey) + "_count", 1) == 1) {
+    rendezvous.set(kSetupFailedKey, "rank " + std::to_string(rank) + " failed to set up the process group: " + cause);
+  }
+}
+
+void check_setup_failure(Rendezvous& rendezvous) {
+  if (rendezvous.has(kSetupFailedKey)) throw std::runtime_error("hca: " + rendezvous.get(kSetupFailedKey));
+}
+
+void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, int timeout_ms, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (!ready()) {
+    check_setup_failure(rendezvous);
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error(what + " within " + std::to_string(timeout_ms) + " ms");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
+                                                  int timeout_ms) {
+  const std::string prefix = "hca_node_identity/";
+  rendezvous.set(prefix + std::to_string(rank), mine);
+  std::vector<std::string> identities;
+  for (int r = 0; r < world; ++r) {
+    const std::string key = prefix + std::to_string(r);
+    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
+                "hca: rank " + std::to_string(r) + " did not announce its node");
+    identities.push_back(rendezvous.get(key));
+  }
+  return identities;
+}
+
+}  // namespace hca

@@ -1,0 +1,142 @@
+"""What every rank runs in the tests across nodes (simulated by TORCH_HCA_NODE_ID on one host, or
+real network namespaces): each function returns a list of mismatches against references
+computed independently (float64 on CPU), an empty list when every element matches."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from reference import DTYPES, FLOATS, OPS, make_input, mismatch, reduce_reference, supported
+
+
+def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case):
+    errors, case = [], first_case
+    for dtype in dtypes:
+        for op in ops:
+            if not supported(dtype, op):
+                continue
+            for numel in sizes:
+                case += 1
+                inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
+                t = inputs[rank].clone()
+                dist.all_reduce(t, op=OPS[op], group=group)
+                errors.append(mismatch(f"{label} allreduce {dtype} {op} numel={numel}", t,
+                                       reduce_reference(inputs, op), world))
+    return errors, case
+
+
+def allreduce_matrix(rank, world, algorithm="hierarchical_copy", packings=(0, 1, 2, 3)):
+    """allreduce of every dtype and op; several packings (rotating the leaders) on coalesced lists."""
+    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm))
+    errors, case = _allreduce_cases(rank, world, group, algorithm, DTYPES, OPS, (1, 1000), 0)
+    for num_packs in packings:
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=num_packs))
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            case += 1
+            sizes = (7, 70_001, 3, 1000)
+            inputs = [[make_input(case * 10 + i, r, n, dtype, "SUM") for i, n in enumerate(sizes)]
+                      for r in range(world)]
+            mine = [t.clone() for t in inputs[rank]]
+            dist.all_reduce_coalesced(mine, group=group)
+            for i in range(len(sizes)):
+                want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")
+                errors.append(mismatch(f"{algorithm} num_packs={num_packs} {dtype} tensor {i}", mine[i], want, world))
+    return [e for e in errors if e]
+
+
+def rooted_and_gathers(rank, world, algorithm="hierarchical_copy"):
+    """broadcast and reduce from every root; allgather, reduce_scatter (both forms), barrier, an
+    async allreduce; and the operations forwarded to the engine over every rank."""
+    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+    errors, case = [], 1000
+    for root in range(world):
+        for dtype in (torch.float32, torch.int32, torch.bool):
+            case += 1
+            inputs = [make_input(case, r, 1001, dtype, "SUM") for r in range(world)]
+            t = inputs[rank].clone()
+            dist.broadcast(t, src=root, group=group)
+            errors.append(mismatch(f"broadcast src={root} {dtype}", t, inputs[root], world))
+        for op in ("SUM", "AVG", "MAX"):
+            case += 1
+            inputs = [make_input(case, r, 999, torch.float64, op) for r in range(world)]
+            t = inputs[rank].clone()
+            dist.reduce(t, dst=root, op=OPS[op], group=group)
+            want = reduce_reference(inputs, op) if rank == root else inputs[rank]
+            errors.append(mismatch(f"reduce dst={root} {op} (rank {rank})", t, want, world))
+    for dtype in (torch.float32, torch.float16, torch.int8):
+        case += 1
+        inputs = [make_input(case, r, 517, dtype, "SUM") for r in range(world)]
+        out = torch.full((world * 517,), 7, dtype=dtype)
+        dist.all_gather_into_tensor(out, inputs[rank].clone(), group=group)
+        errors.append(mismatch(f"all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
+        outs = [torch.full((517,), 7, dtype=dtype) for _ in range(world)]
+        dist.all_gather(outs, inputs[rank].clone(), group=group)
+        errors.append(mismatch(f"all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
+    for op in ("SUM", "MAX"):
+        case += 1
+        inputs = [make_input(case, r, world * 333, torch.float32, op) for r in range(world)]
+        want = reduce_reference(inputs, op)[rank * 333:(rank + 1) * 333]
+        out = torch.full((333,), 7.0)
+        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=OPS[op], group=group)
+        errors.append(mismatch(f"reduce_scatter_tensor {op}", out, want, world))
+        out = torch.full((333,), 7.0)
+        dist.reduce_scatter(out, list(inputs[rank].clone().chunk(world)), op=OPS[op], group=group)
+        errors.append(mismatch(f"reduce_scatter {op}", out, want, world))
+    dist.barrier(group=group)
+    case += 1
+    inputs = [make_input(case, r, 50_000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t, group=group, async_op=True).wait()
+    errors.append(mismatch("async allreduce", t, reduce_reference(inputs, "SUM"), world))
+    errors += _forwarded(rank, world, group, case + 1)
+    return [e for e in errors if e]
+
+
+def _forwarded(rank, world, group, case):
+    """gather, scatter, all_to_all_single and a send/recv ring: through the engine over every rank."""
+    errors = []
+    inputs = [make_input(case, r, 64, torch.float32, "SUM") for r in range(world)]
+    gathered = [torch.zeros(64) for _ in range(world)] if rank == 0 else None
+    dist.gather(inputs[rank].clone(), gathered, dst=0, group=group)
+    if rank == 0:
+        errors.append(mismatch("gather", torch.cat(gathered), torch.cat(inputs), world))
+    out = torch.zeros(64)
+    dist.scatter(out, [t.clone() for t in inputs] if rank == 0 else None, src=0, group=group)
+    errors.append(mismatch("scatter", out, inputs[rank], world))
+    blocks = [make_input(case + 1, r, 8 * world, torch.float32, "SUM") for r in range(world)]
+    out = torch.zeros(8 * world)
+    dist.all_to_all_single(out, blocks[rank].clone(), group=group)
+    want = torch.cat([blocks[r][rank * 8:(rank + 1) * 8] for r in range(world)])
+    errors.append(mismatch("all_to_all_single", out, want, world))
+    if world > 1:
+        got = torch.zeros(64)
+        ops = [dist.P2POp(dist.isend, inputs[rank].clone(), (rank + 1) % world, group),
+               dist.P2POp(dist.irecv, got, (rank - 1) % world, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        errors.append(mismatch("send/recv ring", got, inputs[(rank - 1) % world], world))
+    return errors
+
+
+def layout(rank, world):
+    """The backend class and the nodes it found."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return type(backend).__name__, getattr(backend, "nodes", None)
+
+
+def training(rank, world, backend):
+    """A few DDP steps on a small model with per-rank data; the final parameters."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()
+    group = dist.new_group(backend=backend)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.001)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(5):
+        x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+        loss = ddp(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
