@@ -3,6 +3,10 @@ real network namespaces): each function returns a list of mismatches against ref
 computed independently (float64 on CPU), an empty list when every element matches."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -125,7 +129,59 @@ def layout(rank, world):
     return type(backend).__name__, getattr(backend, "nodes", None)
 
 
-def training(rank, world, backend):
+def ddp_hca_and_gloo(rank, world):
+    """The parameters after the same DDP steps over hca and over gloo."""
+    return [_training(rank, world, "hca"), _training(rank, world, "gloo")]
+
+
+def fsdp2_hca_and_gloo(rank, world):
+    """The parameters after the same FSDP2 steps over hca (the default group) and over gloo."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gloo = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    return [fsdp2_training(rank)[1], fsdp2_training(rank, gloo)[1]]
+
+
+def fsdp2_training(rank, mesh=None, steps=5):
+    """FSDP2 (all_gather_into_tensor + reduce_scatter_tensor) on a small model: the parameters
+    before and after `steps` steps, gathered whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    initial = [p.detach().clone() for p in model.parameters()]
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return initial, [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def node_dies(rank, world, dying):
+    """Ranks in `dying` kill themselves (SIGKILL) while the others go on all-reducing: what the
+    survivors raise (type, message) and how long after the first failing call."""
+    t = torch.ones(10_000)
+    for _ in range(3):
+        dist.all_reduce(t)
+    if rank in dying:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001  the error is the result
+        return [type(e).__name__, str(e), time.monotonic() - start]
+    return ["no error", "", time.monotonic() - start]
+
+
+def _training(rank, world, backend):
     """A few DDP steps on a small model with per-rank data; the final parameters."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).double()

@@ -6,6 +6,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_hca
 from harness import run_ranks
+from node_cases import fsdp2_training
 from reference import make_input, mismatch, reduce_reference
 
 
@@ -36,24 +37,9 @@ def test_ddp_matches_gloo(algorithm):
         assert (a == b).all()
 
 
-def _train_fsdp2(rank, world, steps=5):
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    initial = [p.detach().numpy().copy() for p in model.parameters()]
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)  # all_gather_into_tensor + reduce_scatter_tensor through hca
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    g = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return initial, [p.full_tensor().detach().numpy().copy() for p in model.parameters()]
+def _train_fsdp2(rank, world):
+    initial, trained = fsdp2_training(rank)
+    return [t.numpy() for t in initial], [t.numpy() for t in trained]  # tensors would travel by fd
 
 
 def test_fsdp2_matches_gloo():

@@ -1,0 +1,114 @@
+"""Simulated hosts on one machine: each node gets its own network namespace (a veth pair joins
+them, each end with its own address) and each of its ranks runs in a UTS namespace named after
+the node, so traffic between nodes crosses a (virtual) network and hostnames differ per node.
+Needs root and `ip`/`unshare`; `unavailable()` says why not where they are missing."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def unavailable():
+    """Why namespaces cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            return f"needs the `{tool}` command"
+    probe = f"hcaprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args, netns=None):
+    cmd = (["ip", "netns", "exec", netns, "ip"] if netns else ["ip"]) + list(args)
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair, addresses 10.<n>.0.1 and 10.<n>.0.2."""
+
+    def __init__(self):
+        tag = f"{os.getpid() % 10000}"
+        self.netns = [f"hca{tag}a", f"hca{tag}b"]
+        self.links = [f"hv{tag}a", f"hv{tag}b"]
+        subnet = 100 + os.getpid() % 100
+        self.addresses = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
+        self.hostnames = ["hca-node-a", "hca-node-b"]
+
+    def __enter__(self):
+        try:
+            for ns in self.netns:
+                subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+            _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
+            for ns, link, address in zip(self.netns, self.links, self.addresses):
+                _ip("link", "set", link, "netns", ns)
+                _ip("addr", "add", f"{address}/24", "dev", link, netns=ns)
+                _ip("link", "set", link, "up", netns=ns)
+                _ip("link", "set", "lo", "up", netns=ns)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for ns in self.netns:  # deleting a namespace removes its end of the pair, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def run(self, case, node_sizes, args=(), timeout_s=30, deadline_s=240, allow_missing=()):
+        """Runs node_cases.<case>(rank, world, *args) on every rank, node i's ranks in namespace i;
+        returns each rank's value (None for a rank in `allow_missing` that left none)."""
+        placement = [node for node, size in enumerate(node_sizes) for _ in range(size)]
+        world = len(placement)
+        self.runs = getattr(self, "runs", 0) + 1
+        port = 20000 + (os.getpid() * 7 + self.runs * 101) % 20000
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = []
+            for rank, node in enumerate(placement):
+                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=self.addresses[0],
+                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.links[node],
+                           PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+                env.pop("TORCH_HCA_NODE_ID", None)
+                out = os.path.join(tmp, f"rank{rank}.json")
+                worker = [sys.executable, "-W", "ignore", os.path.join(HERE, "node_worker.py"), case, out,
+                          json.dumps(list(args)), str(timeout_s)]
+                cmd = ["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--", "sh", "-c",
+                       f'hostname {self.hostnames[node]} && exec "$@"', "sh"] + worker
+                procs.append(subprocess.Popen(cmd, env=env, cwd=HERE, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            end = time.monotonic() + deadline_s
+            logs = []
+            for p in procs:
+                try:
+                    logs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    logs.append(p.communicate()[0] + "\n(killed at the deadline)")
+            values, errors = [], []
+            for rank in range(world):
+                path = os.path.join(tmp, f"rank{rank}.json")
+                if not os.path.exists(path):
+                    values.append(None)
+                    if rank not in allow_missing:
+                        errors.append(f"rank {rank}: no result\n{logs[rank][-3000:]}")
+                    continue
+                with open(path) as f:
+                    status, value = json.load(f)
+                values.append(value)
+                if status != "ok":
+                    errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return values
+

@@ -1,0 +1,160 @@
+"""hca across nodes: the node level of the plan, then real runs, first with nodes named by
+TORCH_HCA_NODE_ID on this host, then with each node in its own network and UTS namespace."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import node_cases
+import torch_hca
+from harness import raises, run_ranks
+from netns import TwoHosts, unavailable
+
+# ---------------------------------------------------------------- the plan's node level
+
+
+def test_nodes_are_numbered_by_their_lowest_rank():
+    members, leaders = torch_hca._C.nodes(["b", "a", "b", "a", "c"])
+    assert members == [[0, 2], [1, 3], [4]]
+    assert leaders == [[0, 1, 4], [2, 3, 4]]  # position p: local rank p % size on every node
+
+
+def test_uneven_nodes_lead_from_every_rank_of_the_largest():
+    _, leaders = torch_hca._C.nodes(["x", "x", "x", "y"])
+    assert leaders == [[0, 3], [1, 3], [2, 3]]
+
+
+def test_packs_rotate_over_leader_positions():
+    plan = torch_hca.explain(4, num_packs=4, numels=(4000,), nodes=["a", "a", "b", "b"])
+    assert plan.nodes == [[0, 1], [2, 3]]
+    assert [p["leaders"] for p in plan.packs] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert sum(p["numel"] for p in plan.packs) == 4000
+    assert "between nodes: all-reduce among ranks 1, 3" in plan.text
+    assert "step 1: reduce 0->1" in plan.text  # the reduction inside node 0 for pack 1, in global ranks
+
+
+def test_reduce_to_one_device_keeps_the_position_of_its_device():
+    plan = torch_hca.explain(5, "reduce_to_one_device", num_packs=3, reduce_to_device=4, numels=(99,),
+                             nodes=["a", "b", "a", "b", "b"])
+    assert [p["leaders"] for p in plan.packs] == [[0, 4]] * 3  # rank 4 is local rank 2: rank 0 on the node of two
+
+
+def test_one_node_is_the_plain_plan():
+    plan = torch_hca.explain(4, nodes=["a"] * 4)
+    assert isinstance(plan, torch_hca.Plan)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: torch_hca._C.nodes([]), "nodes: a group needs at least one rank"),
+    (lambda: torch_hca._C.nodes(["a", ""]), "nodes: rank 1 has an empty node id"),
+    (lambda: torch_hca.explain(3, nodes=["a", "b"]), "nodes: 2 node ids for a world of 3 ranks"),
+    (lambda: torch_hca.explain(4, groups=[[0, 1], [2, 3]], nodes=["a", "a", "b", "b"]),
+     "groups: explicit groups cannot span 2 nodes"),
+    (lambda: torch_hca.Options(inter_node_backend="mpi"), "inter_node_backend: unknown engine 'mpi'"),
+])
+def test_bad_node_options_are_value_errors(call, message):
+    assert raises(call, ValueError).startswith(message)
+
+
+# ---------------------------------------------------------------- nodes named by TORCH_HCA_NODE_ID
+
+LAYOUTS = {
+    "2x2": ["a", "a", "b", "b"],
+    "3+1": ["a", "a", "a", "b"],
+    "interleaved": ["a", "b", "a", "b"],
+    "1+1+1": ["a", "b", "c"],
+    "3+2": ["a", "a", "a", "b", "b"],
+}
+
+
+def _node_env(ids):
+    return [{"TORCH_HCA_NODE_ID": i} for i in ids]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_collective_across_named_nodes(name):
+    ids = LAYOUTS[name]
+    world = len(ids)
+    layouts = run_ranks(node_cases.layout, world, env_per_rank=_node_env(ids))
+    members = [[r for r in range(world) if ids[r] == node] for node in dict.fromkeys(ids)]
+    assert layouts == [("NodeBackend", members)] * world
+    assert run_ranks(node_cases.allreduce_matrix, world, env_per_rank=_node_env(ids)) == [[]] * world
+    assert run_ranks(node_cases.rooted_and_gathers, world, env_per_rank=_node_env(ids)) == [[]] * world
+
+
+def test_reduce_to_one_device_across_named_nodes():
+    ids = LAYOUTS["3+1"]
+    got = run_ranks(node_cases.allreduce_matrix, 4, "reduce_to_one_device", (0, 2), env_per_rank=_node_env(ids))
+    assert got == [[]] * 4
+
+
+def test_one_named_node_is_todays_group():
+    assert run_ranks(node_cases.layout, 3, env=dict(TORCH_HCA_NODE_ID="n")) == [("ProcessGroupHCA", None)] * 3
+
+
+def _refused(rank, world, options):
+    return raises(lambda: dist.new_group(backend="hca", pg_options=torch_hca.Options(**options)), ValueError)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(groups=[[0, 1], [2, 3]]), "groups: explicit groups cannot span 2 nodes"),
+    (dict(inter_node_backend="nccl"), "inter_node_backend: 'nccl' carries CUDA tensors between nodes"),
+])
+def test_options_that_cannot_span_nodes_fail_on_every_rank(options, message):
+    got = run_ranks(_refused, 4, options, env_per_rank=_node_env(LAYOUTS["2x2"]))
+    assert all(message in text for text in got), got
+
+
+def test_a_dead_named_node_is_reported_by_the_others():
+    got = run_ranks(node_cases.node_dies, 4, [2, 3], env_per_rank=_node_env(LAYOUTS["2x2"]), pg_timeout_s=20,
+                    allow_missing=(2, 3))
+    for kind, message, seconds in got[:2]:
+        assert kind == "DistBackendError", message
+        assert "across nodes failed" in message and "node 0 of 2 (ranks 0, 1)" in message
+        assert seconds < 20
+
+
+# ---------------------------------------------------------------- separate hosts: network namespaces
+
+NETNS = unavailable()
+needs_netns = pytest.mark.skipif(NETNS is not None, reason=f"simulated hosts: {NETNS}")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with TwoHosts() as two:
+        yield two
+
+
+@needs_netns
+@pytest.mark.parametrize("sizes", [[2, 2], [3, 3], [3, 1]], ids=["2x2", "2x3", "3+1"])
+def test_every_collective_between_hosts(hosts, sizes):
+    world = sum(sizes)
+    layouts = hosts.run("layout", sizes)
+    assert layouts == [["NodeBackend", [list(range(sizes[0])), list(range(sizes[0], world))]]] * world
+    assert hosts.run("allreduce_matrix", sizes) == [[]] * world
+    assert hosts.run("rooted_and_gathers", sizes) == [[]] * world
+
+
+@needs_netns
+@pytest.mark.parametrize("sizes", [[2, 2], [3, 1]], ids=["2x2", "3+1"])
+@pytest.mark.parametrize("case", ["ddp_hca_and_gloo", "fsdp2_hca_and_gloo"])
+def test_training_between_hosts_matches_gloo(hosts, sizes, case):
+    got = hosts.run(case, sizes)
+    for hca, gloo in got:
+        for a, b in zip(hca, gloo):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=1e-6)
+    assert all(params[0] == got[0][0] for params in got)  # replicas identical
+
+
+@needs_netns
+@pytest.mark.parametrize("sizes, dying", [([2, 2], [2, 3]), ([3, 1], [3])], ids=["2x2", "3+1"])
+def test_a_dead_host_is_reported_by_the_others(hosts, sizes, dying):
+    world = sum(sizes)
+    got = hosts.run("node_dies", sizes, args=[dying], timeout_s=20, allow_missing=dying)
+    for rank in range(world):
+        if rank in dying:
+            continue
+        kind, message, seconds = got[rank]
+        assert kind == "DistBackendError", message
+        assert "across nodes failed" in message and "node 0 of 2" in message
+        assert seconds < 20
