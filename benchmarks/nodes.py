@@ -1,0 +1,99 @@
+"""hca across two simulated nodes (2 ranks each) beside gloo on the same 4 ranks.
+
+    python benchmarks/nodes.py                      # allreduce, 4 KiB .. 16 MiB, CPU tensors
+
+The nodes are named by TORCH_HCA_NODE_ID (node r // 2 for rank r), so hca reduces inside each
+pair through shared memory and between the pairs over gloo (TCP on loopback here); hca on one
+node of 4 ranks is shown for reference. Every contender runs in the same processes, one after
+the other; columns as in bench.py.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench import count_wrong, parse_bytes, print_speedups, print_table, ratios, time_collective  # noqa: E402
+
+WORLD = 4
+
+
+def contenders():
+    """(label, node id of rank r, hca options); gloo first."""
+    import torch_hca
+
+    return [("gloo", None, None),
+            ("hca 2 nodes x 2 ranks", lambda r: f"node{r // 2}", torch_hca.Options(num_packs=1)),
+            ("hca 2 nodes x 2 ranks (num_packs=2)", lambda r: f"node{r // 2}", torch_hca.Options(num_packs=2)),
+            ("hca 1 node x 4 ranks", lambda r: "node", torch_hca.Options(num_packs=1))]
+
+
+def worker(rank, init, sizes, out_path):
+    import torch_hca  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    timer_group = dist.group.WORLD
+    rows = []
+    for label, node_of, options in contenders():
+        if node_of is None:
+            group = timer_group
+        else:
+            os.environ["TORCH_HCA_NODE_ID"] = node_of(rank)  # read when the group is created
+            group = dist.new_group(backend="hca", pg_options=options)
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            t = torch.zeros(n)
+            seconds = time_collective(lambda: dist.all_reduce(t, group=group), n * 4, group, timer_group)
+            algbw = n * 4 / seconds / 1e9
+            rows.append(dict(backend=label, op="allreduce", world_size=WORLD, size=n * 4, count=n, type="float",
+                             redop="sum", root=-1, time_us=seconds * 1e6, algbw=algbw,
+                             busbw=algbw * 2 * (WORLD - 1) / WORLD,
+                             wrong=count_wrong("allreduce", n, rank, WORLD, group, torch.device("cpu"))))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--min-bytes", default="4K")
+    parser.add_argument("--max-bytes", default="16M")
+    parser.add_argument("--step", type=int, default=4)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    sizes, n = [], parse_bytes(args.min_bytes)
+    while n <= parse_bytes(args.max_bytes):
+        sizes.append(n)
+        n *= args.step
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(worker, args=(f"file://{tmp}/store", sizes, out), nprocs=WORLD)
+        with open(out) as f:
+            rows = json.load(f)
+    print_table(rows)
+    speedups = ratios(rows)
+    print_speedups(speedups)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.date.today().isoformat()
+    path = os.path.join(args.out, f"cpu-nodes2x2-{stamp}.json")
+    meta = dict(device="cpu", cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                torch=torch.__version__, date=stamp, command=" ".join(sys.argv))
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows, speedup_vs_gloo=speedups), f, indent=1)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
