@@ -114,4 +114,36 @@ void CallArgs::write_back() const {
   }
 }
 
+CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size) {
+  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
+                    "output list, got ", inputs.size(), " and ", outputs.size());
+  auto& list = outputs[0];
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "hca allgather: the output list has ", list.size(),
+                    " tensors, expected one per rank (", size, ")");
+  std::vector<at::Tensor> all = list;
+  all.push_back(inputs[0]);
+  CallArgs args("allgather", all);
+  const size_t input = list.size();
+  for (size_t j = 0; j < list.size(); ++j) {
+    args.check_like(j, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
+  }
+  return args;
+}
+
+at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         int size) {
+  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
+                    "and one input list");
+  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size, "hca reduce_scatter: the input list has ",
+                    inputs[0].size(), " tensors, expected one per rank (", size, ")");
+  std::vector<at::Tensor> all{outputs[0]};
+  all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+  const CallArgs checked("reduce_scatter", all);
+  for (size_t j = 1; j < all.size(); ++j) {
+    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
+  }
+  // Stacked so that one plan addresses every input; the copy costs one pass.
+  return at::cat(inputs[0]).reshape({-1});
+}
+
 }  // namespace hca

@@ -50,6 +50,13 @@ DType plan_dtype(at::ScalarType type, const char* op);
 void check_nonempty(size_t count, const char* what, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);
+// allgather's list form checked (one input, one output list of one tensor per
+// rank, each like the input): the call's arguments, the list first, the input last.
+CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size);
+// reduce_scatter's list form checked (one output, one input per rank, each like
+// the output) and its inputs stacked into one tensor (a copy).
+at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         int size);
 // The address `elements` elements into a dense tensor.
 char* byte_offset(const at::Tensor& t, int64_t elements);
 

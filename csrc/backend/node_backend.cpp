@@ -249,17 +249,10 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
-                    "output list, got ", inputs.size(), " and ", outputs.size());
+  CallArgs args = allgather_list_args(outputs, inputs, getSize());
   auto& list = outputs[0];
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), "hca allgather: the output list has ", list.size(),
-                    " tensors, expected one per rank (", getSize(), ")");
-  std::vector<at::Tensor> all = list;
-  all.push_back(inputs[0]);
-  CallArgs args("allgather", all);
   const size_t input = list.size();
   const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
-  for (size_t j = 0; j < list.size(); ++j) args.check_like(j, input, k, "an output tensor");
   check_device(args.device(), "allgather");
   auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
     at::Tensor in = args.dense()[input];
@@ -304,17 +297,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
-                    "and one input list");
-  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(), "hca reduce_scatter: the input list has ",
-                    inputs[0].size(), " tensors, expected one per rank (", getSize(), ")");
-  std::vector<at::Tensor> all{outputs[0]};
-  all.insert(all.end(), inputs[0].begin(), inputs[0].end());
-  const CallArgs checked("reduce_scatter", all);
-  for (size_t j = 1; j < all.size(); ++j) {
-    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
-  }
-  at::Tensor stacked = at::cat(inputs[0]).reshape({-1});
+  at::Tensor stacked = stacked_reduce_scatter_inputs(outputs, inputs, getSize());
   std::vector<at::Tensor> outs{outputs[0]}, ins{stacked};
   return reduce_scatter_tensor_coalesced(outs, ins, opts);
 }

@@ -181,18 +181,9 @@ Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t ou
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
-                    "output list, got ", inputs.size(), " and ", outputs.size());
+  CallArgs args = allgather_list_args(outputs, inputs, getSize());
   auto& list = outputs[0];
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == getSize(), "hca allgather: the output list has ", list.size(),
-                    " tensors, expected one per rank (", getSize(), ")");
-  std::vector<at::Tensor> all = list;
-  all.push_back(inputs[0]);
-  CallArgs args("allgather", all);
   const size_t input = list.size();
-  for (size_t j = 0; j < list.size(); ++j) {
-    args.check_like(j, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
-  }
   const at::Tensor& in = args.dense()[input];
   std::vector<TensorSpan> spans;
   for (size_t j = 0; j < list.size(); ++j) spans.push_back({in.data_ptr(), args.dense()[j].data_ptr()});
@@ -239,18 +230,7 @@ Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
-                    "and one input list");
-  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == getSize(), "hca reduce_scatter: the input list has ",
-                    inputs[0].size(), " tensors, expected one per rank (", getSize(), ")");
-  std::vector<at::Tensor> all{outputs[0]};
-  all.insert(all.end(), inputs[0].begin(), inputs[0].end());
-  const CallArgs checked("reduce_scatter", all);
-  for (size_t j = 1; j < all.size(); ++j) {
-    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
-  }
-  // Stack the inputs so one plan addresses them; the copy costs one pass.
-  at::Tensor stacked = at::cat(inputs[0]).reshape({-1});
+  at::Tensor stacked = stacked_reduce_scatter_inputs(outputs, inputs, getSize());
   std::vector<at::Tensor> outs{outputs[0]}, ins{stacked};
   return reduce_scatter_tensor_coalesced(outs, ins, opts);
 }
