@@ -24,10 +24,16 @@ def unavailable():
         if shutil.which(tool) is None:
             return f"needs the `{tool}` command"
     probe = f"hcaprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    steps = [["ip", "netns", "add", probe],
+             ["ip", "netns", "exec", probe, "ip", "link", "add", "hcaprobe0", "type", "veth", "peer", "name", "hcaprobe1"],
+             ["ip", "netns", "exec", probe, "unshare", "--uts", "--", "sh", "-c", "hostname hca-probe"]]
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                return f"cannot {' '.join(step[:4])}...: {(done.stderr or done.stdout).strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
