@@ -114,6 +114,15 @@ void CallArgs::write_back() const {
   }
 }
 
+CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca ", name, ": ", outputs.size(), " outputs for ", inputs.size(),
+                    " inputs");
+  check_nonempty(inputs.size(), "the input list", name);
+  std::vector<at::Tensor> all = outputs;
+  all.insert(all.end(), inputs.begin(), inputs.end());
+  return CallArgs(name, all);
+}
+
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size) {
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
                     "output list, got ", inputs.size(), " and ", outputs.size());

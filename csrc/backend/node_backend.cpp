@@ -15,12 +15,6 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
-  return text;
-}
-
 // Stages sum where the op averages: the division happens once, at the end.
 c10d::ReduceOp stage_op(const c10d::ReduceOp& op) {
   return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
@@ -97,8 +91,14 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const char
   return work;
 }
 
-void NodeBackend::allreduce_stages(std::vector<at::Tensor>& flats, const std::vector<int>& positions,
+void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const std::vector<Pack>& packs,
                                    c10d::ReduceOp op, std::chrono::milliseconds timeout) {
+  std::vector<at::Tensor> flats;
+  std::vector<int> positions;
+  for (const Pack& pack : packs) {
+    flats.push_back(nccl::packed(tensors, pack));
+    positions.push_back(pack_position(nodes_, options_, pack.index));
+  }
   auto reduce_opts = stage_options<c10d::ReduceOptions>(timeout);
   reduce_opts.reduceOp = stage_op(op);
   for (size_t i = 0; i < flats.size(); ++i) {
@@ -123,6 +123,7 @@ void NodeBackend::allreduce_stages(std::vector<at::Tensor>& flats, const std::ve
     std::vector<at::Tensor> one{flats[i]};
     local_->broadcast(one, copy_back)->wait();
   }
+  for (size_t i = 0; i < packs.size(); ++i) nccl::unpack(flats[i], tensors, packs[i]);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -136,14 +137,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
   check_device(args.device(), "allreduce");
   auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
-    std::vector<at::Tensor> flats;
-    std::vector<int> positions;
-    for (const Pack& pack : packs) {
-      flats.push_back(nccl::packed(args.dense(), pack));
-      positions.push_back(pack_position(nodes_, options_, pack.index));
-    }
-    allreduce_stages(flats, positions, op, timeout);
-    for (size_t i = 0; i < packs.size(); ++i) nccl::unpack(flats[i], args.dense(), packs[i]);
+    allreduce_stages(args.dense(), packs, op, timeout);
     args.write_back();
   };
   return launch(c10d::OpType::ALLREDUCE, "allreduce", tensors, std::move(body), opts.asyncOp);
@@ -273,12 +267,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca allgather_into_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
-  check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
-  std::vector<at::Tensor> all = outputs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("allgather_into_tensor", all);
+  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
   const size_t n = outputs.size();
   for (size_t i = 0; i < n; ++i) {
     args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * getSize(), "the output");
@@ -311,12 +300,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca reduce_scatter_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
-  check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  std::vector<at::Tensor> all = outputs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("reduce_scatter_tensor", all);
+  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
   args.reduce_op(opts.reduceOp);
   const size_t n = outputs.size();
   for (size_t i = 0; i < n; ++i) {
@@ -327,15 +311,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
     for (size_t i = 0; i < n; ++i) {
       std::vector<at::Tensor> whole{args.dense()[n + i].reshape({-1}).clone()};
-      const auto packs = make_packs({args.descs()[n + i]}, options_.packing);
-      std::vector<at::Tensor> flats;
-      std::vector<int> positions;
-      for (const Pack& pack : packs) {
-        flats.push_back(nccl::packed(whole, pack));
-        positions.push_back(pack_position(nodes_, options_, pack.index));
-      }
-      allreduce_stages(flats, positions, op, timeout);
-      for (size_t p = 0; p < packs.size(); ++p) nccl::unpack(flats[p], whole, packs[p]);
+      allreduce_stages(whole, make_packs({args.descs()[n + i]}, options_.packing), op, timeout);
       const int64_t k = static_cast<int64_t>(args.descs()[i].numel);
       args.dense()[i].view(-1).copy_(whole[0].narrow(0, getRank() * k, k));
     }

@@ -91,9 +91,9 @@ class NodeBackend : public c10d::Backend {
   // NotImplementedError for tensors this backend does not carry across nodes yet.
   void check_device(const at::Device& device, const char* op) const;
 
-  // The three stages of an allreduce of `flats` (dense, one per pack), pack i
-  // led from positions[i]; AVG sums and divides once, on the leader.
-  void allreduce_stages(std::vector<at::Tensor>& flats, const std::vector<int>& positions, c10d::ReduceOp op,
+  // The three stages of an allreduce of dense `tensors` cut into `packs`, each
+  // led from its pack position; AVG sums and divides once, on the leaders.
+  void allreduce_stages(const std::vector<at::Tensor>& tensors, const std::vector<Pack>& packs, c10d::ReduceOp op,
                         std::chrono::milliseconds timeout);
   // allgather of one dense input into one dense output of world blocks.
   void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout);

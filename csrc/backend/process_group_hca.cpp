@@ -203,12 +203,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca allgather_into_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
-  check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
-  std::vector<at::Tensor> all = outputs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("allgather_into_tensor", all);
+  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
   return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
@@ -243,12 +238,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor&
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca reduce_scatter_tensor: ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
-  check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  std::vector<at::Tensor> all = outputs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("reduce_scatter_tensor", all);
+  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) {

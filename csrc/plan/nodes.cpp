@@ -6,13 +6,13 @@
 #include <stdexcept>
 
 namespace hca {
-namespace {
-
 std::string ranks_text(const std::vector<int>& ranks) {
   std::string text;
   for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
   return text;
 }
+
+namespace {
 
 // `schedule` over a node's local ranks, renumbered to the node's global ranks.
 Schedule in_global_ranks(Schedule schedule, const std::vector<int>& members) {

@@ -28,6 +28,9 @@ struct Nodes {
   std::vector<int> leaders(int position) const;
 };
 
+// "0, 2, 3": ranks as messages and explanations list them.
+std::string ranks_text(const std::vector<int>& ranks);
+
 // Groups ranks whose identities (hostname, or an override) are equal; throws
 // std::invalid_argument for an empty list or an empty identity.
 Nodes group_by_node(const std::vector<std::string>& identities);
