@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from reference import DTYPES, FLOATS, OPS, make_input, mismatch, reduce_reference, supported
+from reference import DTYPES, FLOATS, OPS, make_input, mismatch, rank_device, reduce_reference, supported
 
 
-def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case):
+def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case, dev):
     errors, case = [], first_case
     for dtype in dtypes:
         for op in ops:
@@ -23,25 +23,32 @@ def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case):
             for numel in sizes:
                 case += 1
                 inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
-                t = inputs[rank].clone()
+                t = inputs[rank].to(dev, copy=True)
                 dist.all_reduce(t, op=OPS[op], group=group)
                 errors.append(mismatch(f"{label} allreduce {dtype} {op} numel={numel}", t,
                                        reduce_reference(inputs, op), world))
     return errors, case
 
 
-def allreduce_matrix(rank, world, algorithm="hierarchical_copy", packings=(0, 1, 2, 3)):
+def _group(algorithm, inter_node_backend, num_packs=1):
+    options = torch_hca.Options(algorithm, num_packs=num_packs, inter_node_backend=inter_node_backend)
+    return dist.new_group(backend="hca", pg_options=options)
+
+
+def allreduce_matrix(rank, world, algorithm="hierarchical_copy", packings=(0, 1, 2, 3), device="cpu",
+                     inter_node_backend=None):
     """allreduce of every dtype and op; several packings (rotating the leaders) on coalesced lists."""
-    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm))
-    errors, case = _allreduce_cases(rank, world, group, algorithm, DTYPES, OPS, (1, 1000), 0)
+    dev = rank_device(device, rank)
+    group = _group(algorithm, inter_node_backend)
+    errors, case = _allreduce_cases(rank, world, group, algorithm, DTYPES, OPS, (1, 1000), 0, dev)
     for num_packs in packings:
-        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=num_packs))
+        group = _group(algorithm, inter_node_backend, num_packs)
         for dtype in (torch.float32, torch.bfloat16, torch.int64):
             case += 1
             sizes = (7, 70_001, 3, 1000)
             inputs = [[make_input(case * 10 + i, r, n, dtype, "SUM") for i, n in enumerate(sizes)]
                       for r in range(world)]
-            mine = [t.clone() for t in inputs[rank]]
+            mine = [t.to(dev, copy=True) for t in inputs[rank]]
             dist.all_reduce_coalesced(mine, group=group)
             for i in range(len(sizes)):
                 want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")
@@ -49,51 +56,53 @@ def allreduce_matrix(rank, world, algorithm="hierarchical_copy", packings=(0, 1,
     return [e for e in errors if e]
 
 
-def rooted_and_gathers(rank, world, algorithm="hierarchical_copy"):
+def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu", inter_node_backend=None):
     """broadcast and reduce from every root; allgather, reduce_scatter (both forms), barrier, an
-    async allreduce; and the operations forwarded to the engine over every rank."""
-    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+    async allreduce; on CPU tensors, the operations forwarded to the engine over every rank too."""
+    dev = rank_device(device, rank)
+    group = _group(algorithm, inter_node_backend, num_packs=2)
     errors, case = [], 1000
     for root in range(world):
         for dtype in (torch.float32, torch.int32, torch.bool):
             case += 1
             inputs = [make_input(case, r, 1001, dtype, "SUM") for r in range(world)]
-            t = inputs[rank].clone()
+            t = inputs[rank].to(dev, copy=True)
             dist.broadcast(t, src=root, group=group)
             errors.append(mismatch(f"broadcast src={root} {dtype}", t, inputs[root], world))
         for op in ("SUM", "AVG", "MAX"):
             case += 1
             inputs = [make_input(case, r, 999, torch.float64, op) for r in range(world)]
-            t = inputs[rank].clone()
+            t = inputs[rank].to(dev, copy=True)
             dist.reduce(t, dst=root, op=OPS[op], group=group)
             want = reduce_reference(inputs, op) if rank == root else inputs[rank]
             errors.append(mismatch(f"reduce dst={root} {op} (rank {rank})", t, want, world))
     for dtype in (torch.float32, torch.float16, torch.int8):
         case += 1
         inputs = [make_input(case, r, 517, dtype, "SUM") for r in range(world)]
-        out = torch.full((world * 517,), 7, dtype=dtype)
-        dist.all_gather_into_tensor(out, inputs[rank].clone(), group=group)
+        out = torch.full((world * 517,), 7, dtype=dtype, device=dev)
+        dist.all_gather_into_tensor(out, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
-        outs = [torch.full((517,), 7, dtype=dtype) for _ in range(world)]
-        dist.all_gather(outs, inputs[rank].clone(), group=group)
+        outs = [torch.full((517,), 7, dtype=dtype, device=dev) for _ in range(world)]
+        dist.all_gather(outs, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
     for op in ("SUM", "MAX"):
         case += 1
         inputs = [make_input(case, r, world * 333, torch.float32, op) for r in range(world)]
         want = reduce_reference(inputs, op)[rank * 333:(rank + 1) * 333]
-        out = torch.full((333,), 7.0)
-        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=OPS[op], group=group)
+        out = torch.full((333,), 7.0, device=dev)
+        dist.reduce_scatter_tensor(out, inputs[rank].to(dev, copy=True), op=OPS[op], group=group)
         errors.append(mismatch(f"reduce_scatter_tensor {op}", out, want, world))
-        out = torch.full((333,), 7.0)
-        dist.reduce_scatter(out, list(inputs[rank].clone().chunk(world)), op=OPS[op], group=group)
+        out = torch.full((333,), 7.0, device=dev)
+        dist.reduce_scatter(out, list(inputs[rank].to(dev, copy=True).chunk(world)), op=OPS[op], group=group)
         errors.append(mismatch(f"reduce_scatter {op}", out, want, world))
     dist.barrier(group=group)
     case += 1
     inputs = [make_input(case, r, 50_000, torch.float32, "SUM") for r in range(world)]
-    t = inputs[rank].clone()
+    t = inputs[rank].to(dev, copy=True)
     dist.all_reduce(t, group=group, async_op=True).wait()
-    errors.append(mismatch("async allreduce", t, reduce_reference(inputs, "SUM"), world))
-    errors += _forwarded(rank, world, group, case + 1)
+    errors.append(mismatch("async allreduce", t * 1, reduce_reference(inputs, "SUM"), world))
+    if device == "cpu":
+        errors += _forwarded(rank, world, group, case + 1)
     return [e for e in errors if e]
 
 

@@ -66,6 +66,29 @@ def test_async_collectives_follow_the_callers_stream(world):
     assert run_ranks(_busy_stream_async, world) == [[]] * world
 
 
+def _capture_refused(rank, world):
+    """A collective inside CUDA graph capture raises on the caller's thread; the group still works."""
+    dev = rank_device("cuda", rank)
+    t = torch.ones(1000, device=dev)
+    torch.cuda.synchronize()
+    graph, message = torch.cuda.CUDAGraph(), "no error"
+    try:
+        with torch.cuda.graph(graph):
+            dist.all_reduce(t)
+    except RuntimeError as e:
+        message = str(e)
+    dist.all_reduce(t)
+    return message, mismatch("after the refusal", t, torch.full((1000,), float(world)), world)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2])
+def test_graph_capture_is_refused_and_the_group_stays_usable(world):
+    for message, error in run_ranks(_capture_refused, world):
+        assert "hca: collectives cannot be captured in a CUDA graph yet" in message, message
+        assert error is None, error
+
+
 def _train_cuda(rank, world, backend_name, steps=10):
     dev = rank_device("cuda", rank) if backend_name == "hca" else torch.device("cpu")
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ import torch_hca
 from harness import raises, run_ranks
 from netns import TwoHosts, unavailable
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
 # ---------------------------------------------------------------- the plan's node level
 
 
@@ -95,13 +97,52 @@ def _refused(rank, world, options):
     return raises(lambda: dist.new_group(backend="hca", pg_options=torch_hca.Options(**options)), ValueError)
 
 
+NCCL_USABLE = torch_hca._C.has_cuda and torch.cuda.is_available() and dist.is_nccl_available()
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(groups=[[0, 1], [2, 3]]), "groups: explicit groups cannot span 2 nodes"),
-    (dict(inter_node_backend="nccl"), "inter_node_backend: 'nccl' carries CUDA tensors between nodes"),
+    pytest.param(dict(inter_node_backend="nccl"), "inter_node_backend: 'nccl' needs torch_hca built with CUDA, a GPU",
+                 marks=pytest.mark.skipif(NCCL_USABLE, reason="NCCL is usable here")),
 ])
 def test_options_that_cannot_span_nodes_fail_on_every_rank(options, message):
     got = run_ranks(_refused, 4, options, env_per_rank=_node_env(LAYOUTS["2x2"]))
     assert all(message in text for text in got), got
+
+
+def _meta_tensor_refused(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return raises(lambda: backend.allreduce([torch.empty(4, device="meta")], dist.AllreduceOptions()),
+                  NotImplementedError)
+
+
+def test_a_device_this_build_cannot_carry_across_nodes_is_named():
+    for message in run_ranks(_meta_tensor_refused, 2, env_per_rank=_node_env(["a", "b"])):
+        assert message.startswith("hca allreduce: tensors on meta are not supported across nodes by this build "
+                                  f"(CPU tensors are{', and CUDA tensors' if torch_hca._C.has_cuda else ''}"), message
+
+
+def _nccl_joins_leaders_on(world):
+    """Whether NCCL can join leaders that share GPUs (ranks take GPUs round-robin): one GPU per
+    rank, or NCCL 2.30+ with several ranks per GPU enabled (NCCL_MULTI_RANK_GPU_ENABLE=1)."""
+    return NCCL_USABLE and (torch.cuda.device_count() >= world or torch.cuda.nccl.version() >= (2, 30, 0))
+
+
+@needs_cuda
+@pytest.mark.parametrize("engine", ["gloo", "nccl"])
+@pytest.mark.parametrize("name", ["2x2", "3+1"])
+def test_cuda_tensors_across_named_nodes(name, engine):
+    """hca's CUDA path inside each node, the named engine among the leaders (gloo through host
+    copies), every result against float64 references; several ranks share the GPU."""
+    ids = LAYOUTS[name]
+    world = len(ids)
+    if engine == "nccl" and not _nccl_joins_leaders_on(world):
+        pytest.skip("NCCL here cannot put several leaders on one GPU")
+    env = [{**e, "NCCL_MULTI_RANK_GPU_ENABLE": "1"} for e in _node_env(ids)]
+    assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), "cuda", engine,
+                     env_per_rank=env) == [[]] * world
+    assert run_ranks(node_cases.rooted_and_gathers, world, "hierarchical_copy", "cuda", engine,
+                     env_per_rank=env) == [[]] * world
 
 
 def test_a_dead_named_node_is_reported_by_the_others():

@@ -48,12 +48,11 @@ def _node_group(store, rank, size, timeout_ms, plan_options):
 
 
 def _across_nodes(dist_backend_opts, options, identities, timeout_ms):
-    """hca inside this rank's node, gloo among the node leaders of each leader position (one
-    group per position: every local rank of the largest node leads one), gloo over every rank
-    for the operations that have no hierarchical form."""
-    if options.inter_node_backend == "nccl":
-        raise ValueError("inter_node_backend: 'nccl' carries CUDA tensors between nodes, and hca does not run "
-                         "CUDA tensors across nodes yet; use 'gloo' (CPU tensors), or algorithm='nccl'")
+    """hca inside this rank's node; among the node leaders of each leader position (one group
+    per position: every local rank of the largest node leads one), gloo for CPU tensors and
+    the `inter_node_backend` engine for CUDA tensors; over every rank, the stock engines for the
+    operations that have no hierarchical form."""
+    cuda_engine = _inter_node_cuda_engine(options.inter_node_backend)
     store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
     members, leaders = _C.nodes(identities)
     node = next(n for n, ranks in enumerate(members) if rank in ranks)
@@ -62,29 +61,50 @@ def _across_nodes(dist_backend_opts, options, identities, timeout_ms):
     inside = Options(options.algorithm, num_packs=1)  # one call per pack: the node's group need not split it again
     local = _node_group(dist.PrefixStore(f"hca_node{node}/", store), members[node].index(rank), len(members[node]),
                         timeout_ms, inside.plan_options())
-    leader_cpu = {}
+    leader_cpu, leader_cuda = {}, {}
     for position, ranks in enumerate(leaders):
         if rank in ranks:
-            leader_cpu[position] = dist.ProcessGroupGloo(dist.PrefixStore(f"hca_leaders{position}/", store),
-                                                         ranks.index(rank), len(ranks), dist_backend_opts.timeout)
+            position_store = dist.PrefixStore(f"hca_leaders{position}/", store)
+            leader_rank, timeout = ranks.index(rank), dist_backend_opts.timeout
+            leader_cpu[position] = _gloo(position_store, leader_rank, len(ranks), timeout)
+            if cuda_engine == "nccl":
+                leader_cuda[position] = _nccl(position_store, leader_rank, len(ranks), timeout)
     world_cpu, world_cuda = _engines(dist_backend_opts)
     return _C.NodeBackend(rank=rank, size=size, timeout_ms=timeout_ms, options=plan_options,
-                          node_identities=identities, local=local, leader_cpu=leader_cpu, leader_cuda={},
+                          node_identities=identities, local=local, leader_cpu=leader_cpu, leader_cuda=leader_cuda,
                           world_cpu=world_cpu, world_cuda=world_cuda)
 
 
+def _inter_node_cuda_engine(named):
+    """The engine among node leaders for CUDA tensors: "nccl" (ProcessGroupNCCL) or "gloo" (its
+    CPU engine, through host copies); None picks NCCL where this torch and machine have it."""
+    nccl_usable = _C.has_cuda and torch.cuda.is_available() and dist.is_nccl_available()
+    if named == "nccl" and not nccl_usable:
+        raise ValueError("inter_node_backend: 'nccl' needs torch_hca built with CUDA, a GPU and torch with NCCL "
+                         f"(here: hca CUDA build {_C.has_cuda}, GPU {torch.cuda.is_available()}, "
+                         f"NCCL {dist.is_nccl_available()}); use 'gloo' or None")
+    return named or ("nccl" if nccl_usable else "gloo")
+
+
+def _gloo(store, rank, size, timeout):
+    return dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+
+
+def _nccl(store, rank, size, timeout):
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
+
+
 def _engines(dist_backend_opts):
-    """The stock engines of the nccl algorithm, on the same store, rank, world and timeout:
-    gloo for CPU tensors, ProcessGroupNCCL for CUDA tensors where torch has it and a GPU is present."""
+    """The stock engines over every rank, on the same store, rank, world and timeout: gloo for
+    CPU tensors, ProcessGroupNCCL for CUDA tensors where torch has it and a GPU is present."""
     store = dist.PrefixStore("engine/", dist_backend_opts.store)
     rank, size, timeout = dist_backend_opts.group_rank, dist_backend_opts.group_size, dist_backend_opts.timeout
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
-    return cpu, cuda
+        cuda = _nccl(store, rank, size, timeout)
+    return _gloo(store, rank, size, timeout), cuda
 
 
 def register():

@@ -28,8 +28,9 @@ class Options:
     groups: the hierarchy's groups of ranks, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (None: two halves).
     agg_small_grads_max_bytes / agg_small_grads_max_group: with num_packs=0, tensors smaller than
         max_bytes are aggregated into packs of at most max_group tensors.
-    inter_node_backend: the engine between nodes when the ranks span several ("gloo"; None: by
-        device). hca runs CPU tensors across nodes, over gloo; "nccl" is refused there for now.
+    inter_node_backend: the engine among node leaders when the ranks span several nodes, for CUDA
+        tensors: "nccl" (ProcessGroupNCCL), "gloo" (through host memory), None: NCCL where torch
+        has it, else gloo. CPU tensors always go through gloo.
     """
 
     algorithm: str = "hierarchical_copy"

@@ -3,12 +3,12 @@
 #include <c10/util/Exception.h>
 
 #include "../transport/nccl/passthrough.hpp"
-#include "call_args.hpp"
+#ifdef HCA_WITH_CUDA
+#include "cuda/cuda_call.hpp"
+#endif
 
 namespace hca {
 namespace {
-
-using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 std::string message_of(const std::exception& e) {
   if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
@@ -53,16 +53,39 @@ NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, 
 }
 
 void NodeBackend::check_device(const at::Device& device, const char* op) const {
-  TORCH_CHECK_NOT_IMPLEMENTED(device.is_cpu(), "hca ", op, ": tensors on ", device, " are not supported across nodes "
-                              "yet (CPU tensors are); algorithm='nccl' carries CUDA tensors across nodes with stock NCCL");
+#ifdef HCA_WITH_CUDA
+  constexpr bool with_cuda = true;
+#else
+  constexpr bool with_cuda = false;
+#endif
+  TORCH_CHECK_NOT_IMPLEMENTED(device.is_cpu() || (with_cuda && device.is_cuda()), "hca ", op, ": tensors on ", device,
+                              " are not supported across nodes by this build (CPU tensors are",
+                              (with_cuda ? ", and CUDA tensors" : "; CUDA tensors need a build with CUDA"), ")");
 }
 
-c10d::Backend& NodeBackend::leader_engine(int position, const at::Tensor& tensor) const {
+NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<at::Tensor> tensors,
+                                                     const Issue& issue) const {
   const Engines& engines = leaders_.at(position);
-  const auto& engine = tensor.device().is_cuda() ? engines.cuda : engines.cpu;
-  TORCH_CHECK_NOT_IMPLEMENTED(engine, "hca: no engine between nodes for tensors on ", tensor.device(),
-                              " (see the inter_node_backend option)");
-  return *engine;
+  AmongLeaders call;
+  const bool cuda = !tensors.empty() && tensors[0].device().is_cuda();
+  if (cuda && engines.cuda) {
+    call.work = issue(*engines.cuda, tensors);
+    return call;
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(engines.cpu, "hca: no engine between nodes for CPU tensors");
+  if (cuda) {
+    // Through host memory: the copy waits for this call's stream, the results go back on it.
+    call.given = tensors;
+    for (auto& t : tensors) t = t.to(at::kCPU);
+    call.staged = tensors;
+  }
+  call.work = issue(*engines.cpu, tensors);
+  return call;
+}
+
+void NodeBackend::AmongLeaders::finish() {
+  work->wait();
+  for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
 }
 
 c10d::Backend& NodeBackend::world_engine(const at::Tensor& tensor, const char* op) const {
@@ -71,9 +94,10 @@ c10d::Backend& NodeBackend::world_engine(const at::Tensor& tensor, const char* o
   return *engine;
 }
 
-c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const char* op, std::vector<at::Tensor> outputs,
-                                                   std::function<void()> body, bool async_op) {
-  auto guarded = [this, op, body = std::move(body)] {
+c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const CallArgs& args,
+                                                   std::vector<at::Tensor> outputs, std::function<void()> body,
+                                                   bool async_op) {
+  std::function<void()> guarded = [this, op = args.name(), body = std::move(body)] {
     try {
       body();
     } catch (const std::exception& e) {
@@ -86,7 +110,19 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const char
                                             std::to_string(getRank()) + ", " + where + ": " + cause);
     }
   };
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded));
+  std::shared_ptr<DeviceCompletion> device;
+  std::vector<at::Tensor> stash;
+#ifdef HCA_WITH_CUDA
+  if (args.device().is_cuda()) {
+    auto call = std::make_shared<CudaCall>(args.device());
+    guarded = issued_by(call, std::move(guarded));
+    device = std::move(call);
+    stash = args.dense();
+    stash.insert(stash.end(), outputs.begin(), outputs.end());
+  }
+#endif
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded), std::move(device),
+                                           std::move(stash));
   queue_.submit(work, !async_op);
   return work;
 }
@@ -109,13 +145,14 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
   c10d::AllreduceOptions across;
   across.reduceOp = stage_op(op);
   across.timeout = timeout;
-  std::vector<WorkPtr> works;  // every pack this rank leads, at once
+  std::vector<AmongLeaders> calls;  // every pack this rank leads, at once
   for (size_t i = 0; i < flats.size(); ++i) {
     if (!leads(positions[i])) continue;
-    std::vector<at::Tensor> one{flats[i]};
-    works.push_back(leader_engine(positions[i], flats[i]).allreduce(one, across));
+    calls.push_back(among_leaders(positions[i], {flats[i]}, [&](c10d::Backend& engine, std::vector<at::Tensor>& one) {
+      return engine.allreduce(one, across);
+    }));
   }
-  for (auto& w : works) w->wait();
+  for (auto& c : calls) c.finish();
   auto copy_back = stage_options<c10d::BroadcastOptions>(timeout);
   for (size_t i = 0; i < flats.size(); ++i) {
     if (op == c10d::ReduceOp::AVG && leads(positions[i])) flats[i].div_(getSize());
@@ -140,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
     allreduce_stages(args.dense(), packs, op, timeout);
     args.write_back();
   };
-  return launch(c10d::OpType::ALLREDUCE, "allreduce", tensors, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -161,12 +198,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
       c10d::BroadcastOptions across;
       across.rootRank = nodes_.node_of[src];
       across.timeout = timeout;
-      std::vector<WorkPtr> works;
-      for (const auto& t : args.dense()) {
-        std::vector<at::Tensor> one{t};
-        works.push_back(leader_engine(position, t).broadcast(one, across));
-      }
-      for (auto& w : works) w->wait();
+      among_leaders(position, args.dense(), [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+        return engine.broadcast(tensors, across);
+      }).finish();
     }
     auto inside = stage_options<c10d::BroadcastOptions>(timeout);
     inside.rootRank = local_leader(position);
@@ -174,7 +208,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
     local_->broadcast(dense, inside)->wait();
     args.write_back();
   };
-  return launch(c10d::OpType::BROADCAST, "broadcast", tensors, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -199,12 +233,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       across.reduceOp = stage_op(op);
       across.rootRank = nodes_.node_of[dst];
       across.timeout = timeout;
-      std::vector<WorkPtr> works;
-      for (const auto& t : partial) {
-        std::vector<at::Tensor> one{t};
-        works.push_back(leader_engine(position, t).reduce(one, across));
-      }
-      for (auto& w : works) w->wait();
+      among_leaders(position, partial, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+        return engine.reduce(tensors, across);
+      }).finish();
     }
     if (getRank() == dst) {
       if (op == c10d::ReduceOp::AVG) {
@@ -213,7 +244,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       args.write_back();
     }
   };
-  return launch(c10d::OpType::REDUCE, "reduce", tensors, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp);
 }
 
 void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout) {
@@ -229,10 +260,13 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
     at::Tensor every = at::empty({nodes_.count() * widest * k}, input.options());
     c10d::AllgatherOptions across;
     across.timeout = timeout;
-    leader_engine(0, input)._allgather_base(every, padded, across)->wait();
+    among_leaders(0, {every, padded}, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      return engine._allgather_base(tensors[0], tensors[1], across);
+    }).finish();
     std::vector<int64_t> order;  // where rank r's block sits in `every`
     for (int r = 0; r < getSize(); ++r) order.push_back(nodes_.node_of[r] * widest + nodes_.local_rank[r]);
-    output.view({getSize(), k}).copy_(every.view({nodes_.count() * widest, k}).index_select(0, at::tensor(order)));
+    const at::Tensor rows = at::tensor(order).to(input.device());
+    output.view({getSize(), k}).copy_(every.view({nodes_.count() * widest, k}).index_select(0, rows));
   }
   auto inside = stage_options<c10d::BroadcastOptions>(timeout);
   inside.rootRank = local_leader(0);
@@ -255,7 +289,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at
     for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
     args.write_back();
   };
-  return launch(c10d::OpType::ALLGATHER, "allgather", list, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -280,7 +314,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return launch(c10d::OpType::_ALLGATHER_BASE, "allgather_into_tensor", outputs, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -317,22 +351,23 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", outputs, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, args, outputs, std::move(body), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& opts) {
+  const CallArgs args("barrier", {});
   auto body = [this, timeout = timeout_or_default(opts.timeout)] {
     const auto inside = stage_options<c10d::BarrierOptions>(timeout);
     local_->barrier(inside)->wait();
     if (leads(0)) {
       c10d::BarrierOptions across;
       across.timeout = timeout;
-      const Engines& engines = leaders_.at(0);
-      (engines.cpu ? engines.cpu : engines.cuda)->barrier(across)->wait();
+      among_leaders(0, {}, [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
+          .finish();
     }
     local_->barrier(inside)->wait();
   };
-  return launch(c10d::OpType::BARRIER, "barrier", {}, std::move(body), opts.asyncOp);
+  return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp);
 }
 
 void NodeBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

@@ -11,13 +11,15 @@
 #include <map>
 
 #include "../plan/nodes.h"
+#include "call_args.hpp"
 #include "process_group_hca.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
 
 // Stock engines over one set of ranks: for CPU tensors (gloo) and for CUDA
-// tensors (ProcessGroupNCCL, or the engine the user named); either may be null.
+// tensors (ProcessGroupNCCL); either may be null. Among the leaders, CUDA
+// tensors without a CUDA engine go through host copies with the CPU engine.
 struct Engines {
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
 };
@@ -86,9 +88,18 @@ class NodeBackend : public c10d::Backend {
   // This node's leader of `position`, as a rank of the node's own group.
   int local_leader(int position) const { return nodes_.local_rank[nodes_.leader(node(), position)]; }
   bool leads(int position) const { return nodes_.leader(node(), position) == getRank(); }
-  c10d::Backend& leader_engine(int position, const at::Tensor& tensor) const;
+  // Issues `issue` among the leaders of `position` on `tensors` (what it reads
+  // and writes); finish() waits for it and copies host-staged results back.
+  class AmongLeaders {
+   public:
+    void finish();
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<at::Tensor> given, staged;
+  };
+  using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
+  AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const Issue& issue) const;
   c10d::Backend& world_engine(const at::Tensor& tensor, const char* op) const;
-  // NotImplementedError for tensors this backend does not carry across nodes yet.
+  // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 
   // The three stages of an allreduce of dense `tensors` cut into `packs`, each
@@ -97,9 +108,11 @@ class NodeBackend : public c10d::Backend {
                         std::chrono::milliseconds timeout);
   // allgather of one dense input into one dense output of world blocks.
   void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout);
-  // Queues `body`; a failure breaks the node's group (its ranks stop waiting on
-  // this one) and surfaces as DistBackendError naming the op and this node.
-  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* op, std::vector<at::Tensor> outputs,
+  // Queues `body` over the call's tensors (for CUDA tensors, issued on an
+  // internal stream with ProcessGroupNCCL's semantics); a failure breaks the
+  // node's group (its ranks stop waiting on this one) and surfaces as
+  // DistBackendError naming the op and this node.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const CallArgs& args, std::vector<at::Tensor> outputs,
                                         std::function<void()> body, bool async_op);
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const {
     return timeout == c10d::kUnsetTimeout ? timeout_ : timeout;

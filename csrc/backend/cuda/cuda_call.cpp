@@ -10,9 +10,15 @@ namespace hca {
 CudaCall::CudaCall(const at::Device& device)
     : device_(device), comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {
   c10::cuda::CUDAGuard guard(device_);
+  const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  // Refused here, on the caller's thread, so that the group stays usable.
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(caller, &capturing));
+  TORCH_CHECK(capturing == cudaStreamCaptureStatusNone, "hca: collectives cannot be captured in a CUDA graph yet "
+              "(the current stream of ", device, " is capturing)");
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&end_, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(ready_, c10::cuda::getCurrentCUDAStream(device.index()).stream()));
+  C10_CUDA_CHECK(cudaEventRecord(ready_, caller));
 }
 
 CudaCall::~CudaCall() {
@@ -36,6 +42,14 @@ void CudaCall::complete(c10::ivalue::Future& future, const c10::IValue& value) c
   future.markCompleted(value);
 }
 
+std::function<void()> issued_by(std::shared_ptr<CudaCall> call, std::function<void()> body) {
+  return [call = std::move(call), body = std::move(body)] {
+    call->begin();
+    call->on_stream(body);
+    call->end();
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_cuda(c10d::OpType type, Executor& executor, CallArgs args,
                                                             std::vector<Collective> collectives,
                                                             std::vector<at::Tensor> outputs, bool async_op) {
@@ -46,8 +60,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_cuda(c10d::OpType type, E
   }
   std::vector<at::Tensor> stash = args.dense();
   stash.insert(stash.end(), outputs.begin(), outputs.end());
-  auto body = [&executor, call, collectives = std::move(collectives), args = std::move(args)] {
-    call->begin();
+  auto body = issued_by(call, [&executor, collectives = std::move(collectives), args = std::move(args)] {
     for (const auto& c : collectives) {
       try {
         executor.run(c);
@@ -55,9 +68,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_cuda(c10d::OpType type, E
         C10_THROW_ERROR(DistBackendError, e.what());
       }
     }
-    call->on_stream([&] { args.write_back(); });
-    call->end();
-  };
+    args.write_back();
+  });
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), call, std::move(stash));
   queue_.submit(work, !async_op);
   return work;

@@ -41,4 +41,8 @@ class CudaCall final : public DeviceCompletion {
   cudaEvent_t ready_ = nullptr, end_ = nullptr;
 };
 
+// `body` as a Work body for `call`: issued on the call's internal stream (current
+// while it runs) after the caller's stream, the end marked after it.
+std::function<void()> issued_by(std::shared_ptr<CudaCall> call, std::function<void()> body);
+
 }  // namespace hca
