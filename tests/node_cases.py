@@ -151,14 +151,17 @@ def fsdp2_hca_and_gloo(rank, world):
     return [fsdp2_training(rank)[1], fsdp2_training(rank, gloo)[1]]
 
 
-def fsdp2_training(rank, mesh=None, steps=5):
-    """FSDP2 (all_gather_into_tensor + reduce_scatter_tensor) on a small model: the parameters
-    before and after `steps` steps, gathered whole."""
+def fsdp2_training(rank, mesh=None, steps=5, device="cpu"):
+    """FSDP2 (all_gather_into_tensor + reduce_scatter_tensor) on a small model on `device` (mesh:
+    the default group's): the parameters before and after `steps` steps, gathered whole, on CPU."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    dev = rank_device(device, rank)
+    mesh = mesh or DeviceMesh.from_group(dist.group.WORLD, dev.type)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    initial = [p.detach().clone() for p in model.parameters()]
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(dev)
+    initial = [p.detach().cpu() for p in model.parameters()]
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -166,11 +169,11 @@ def fsdp2_training(rank, mesh=None, steps=5):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        x, y = torch.randn(8, 16, generator=g).to(dev), torch.randn(8, 4, generator=g).to(dev)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    return initial, [p.full_tensor().detach().clone() for p in model.parameters()]
+    return initial, [p.full_tensor().detach().cpu() for p in model.parameters()]
 
 
 def node_dies(rank, world, dying):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import run_ranks
+from node_cases import fsdp2_training
 from reference import make_input, mismatch, rank_device, reduce_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -108,6 +109,18 @@ def _train_cuda(rank, world, backend_name, steps=10):
 def test_ddp_on_cuda_matches_gloo_on_cpu():
     hca = run_ranks(_train_cuda, 2, "hca", pg_options=torch_hca.Options(num_packs=2))
     gloo = run_ranks(_train_cuda, 2, "gloo", backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
+
+
+def _fsdp2_parameters(rank, world, device):
+    return [t.numpy() for t in fsdp2_training(rank, device=device)[1]]  # tensors would travel by fd
+
+
+@needs_cuda
+def test_fsdp2_on_cuda_matches_gloo_on_cpu():
+    hca = run_ranks(_fsdp2_parameters, 2, "cuda")
+    gloo = run_ranks(_fsdp2_parameters, 2, "cpu", backend="gloo")
     for a, b in zip(hca[0], gloo[0]):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
 
