@@ -102,12 +102,13 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     dist.all_reduce(t, group=group, async_op=True).wait()
     errors.append(mismatch("async allreduce", t * 1, reduce_reference(inputs, "SUM"), world))
     if device == "cpu":
-        errors += _forwarded(rank, world, group, case + 1)
+        errors += forwarded_ops(rank, world, group, case + 1)
     return [e for e in errors if e]
 
 
-def _forwarded(rank, world, group, case):
-    """gather, scatter, all_to_all_single and a send/recv ring: through the engine over every rank."""
+def forwarded_ops(rank, world, group, case):
+    """gather, scatter, all_to_all_single and a send/recv ring (the operations hca's wrappers hand to
+    the stock engine over every rank), against their inputs."""
     errors = []
     inputs = [make_input(case, r, 64, torch.float32, "SUM") for r in range(world)]
     gathered = [torch.zeros(64) for _ in range(world)] if rank == 0 else None

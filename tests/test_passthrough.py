@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import run_ranks
+from node_cases import forwarded_ops
 from reference import OPS, make_input, mismatch, reduce_reference
 
 # (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
@@ -47,7 +48,7 @@ def test_every_packing_branch_against_reference(world):
 
 def _forwarded(rank, world):
     """Everything but allreduce goes straight to the engine."""
-    errors = []
+    errors = forwarded_ops(rank, world, dist.group.WORLD, 11)
     inputs = [make_input(5, r, 100, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.broadcast(t, src=world - 1)
@@ -67,7 +68,7 @@ def _forwarded(rank, world):
     return [e for e in errors if e]
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_other_collectives_reach_the_engine(world):
     assert run_ranks(_forwarded, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
 

@@ -157,7 +157,7 @@ PYBIND11_MODULE(_C, m) {
                        const c10::intrusive_ptr<c10d::Backend>& cpu_engine,
                        const c10::intrusive_ptr<c10d::Backend>& cuda_engine) {
              return c10::make_intrusive<PassthroughBackend>(rank, size, std::chrono::milliseconds(timeout_ms), packing,
-                                                            cpu_engine, cuda_engine);
+                                                            Engines{cpu_engine, cuda_engine});
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())

@@ -32,20 +32,18 @@ Options stage_options(std::chrono::milliseconds timeout) {
 
 NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
                          c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world)
-    : c10d::Backend(rank, size),
+    : EngineBackend(rank, size, world),
       timeout_(timeout),
       options_(std::move(options)),
       nodes_(std::move(nodes)),
       local_(std::move(local)),
-      leaders_(std::move(leaders)),
-      world_(std::move(world)) {
+      leaders_(std::move(leaders)) {
   try {
     validate_across_nodes(options_, nodes_);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
   TORCH_CHECK_VALUE(nodes_.world() == size, "hca: ", nodes_.world(), " node identities for ", size, " ranks");
-  TORCH_CHECK_VALUE(world_.cpu, "hca: across nodes, an engine over every rank is needed for CPU tensors");
   for (int p = 0; p < nodes_.positions(); ++p) {
     TORCH_CHECK_VALUE(!leads(p) || leaders_.count(p), "hca: rank ", rank, " leads position ", p,
                       " but has no engine among that position's leaders");
@@ -86,12 +84,6 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
 void NodeBackend::AmongLeaders::finish() {
   work->wait();
   for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
-}
-
-c10d::Backend& NodeBackend::world_engine(const at::Tensor& tensor, const char* op) const {
-  const auto& engine = tensor.device().is_cuda() ? world_.cuda : world_.cpu;
-  TORCH_CHECK_NOT_IMPLEMENTED(engine, "hca ", op, ": no engine over every rank for tensors on ", tensor.device());
-  return *engine;
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const CallArgs& args,
@@ -167,7 +159,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
-    return world_engine(tensors[0], "allreduce").allreduce(tensors, opts);
+    return engine(tensors[0], "allreduce").allreduce(tensors, opts);
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);
@@ -368,58 +360,6 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
     local_->barrier(inside)->wait();
   };
   return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp);
-}
-
-void NodeBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  world_.cpu->monitoredBarrier(opts, wait_all_ranks);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                   std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "gather");
-  return world_engine(inputs[0], "gather").gather(outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::scatter(std::vector<at::Tensor>& outputs,
-                                                    std::vector<std::vector<at::Tensor>>& inputs,
-                                                    const c10d::ScatterOptions& opts) {
-  check_nonempty(outputs.size(), "the output list", "scatter");
-  return world_engine(outputs[0], "scatter").scatter(outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                          std::vector<int64_t>& output_splits,
-                                                          std::vector<int64_t>& input_splits,
-                                                          const c10d::AllToAllOptions& opts) {
-  return world_engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllToAllOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "alltoall");
-  return world_engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                                std::vector<at::Tensor>& inputs,
-                                                                const c10d::AllgatherOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
-  return world_engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  check_nonempty(tensors.size(), "the tensor list", "send");
-  return world_engine(tensors[0], "send").send(tensors, dst, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  check_nonempty(tensors.size(), "the tensor list", "recv");
-  return world_engine(tensors[0], "recv").recv(tensors, src, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> NodeBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  check_nonempty(tensors.size(), "the tensor list", "recv");
-  return world_engine(tensors[0], "recv").recvAnysource(tensors, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::endCoalescing() {

@@ -4,27 +4,20 @@
 // reduces the pack into its node leader, the pack's node leaders all-reduce it
 // with an engine, and each leader copies the result back inside its node.
 // Broadcast, reduce, allgather and barrier take the same path; operations
-// without a hierarchical form go to an engine over every rank.
+// without a hierarchical form go to the engines over every rank (EngineBackend).
 #pragma once
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <map>
 
 #include "../plan/nodes.h"
 #include "call_args.hpp"
+#include "engine_backend.hpp"
 #include "process_group_hca.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
 
-// Stock engines over one set of ranks: for CPU tensors (gloo) and for CUDA
-// tensors (ProcessGroupNCCL); either may be null. Among the leaders, CUDA
-// tensors without a CUDA engine go through host copies with the CPU engine.
-struct Engines {
-  c10::intrusive_ptr<c10d::Backend> cpu, cuda;
-};
-
-class NodeBackend : public c10d::Backend {
+class NodeBackend : public EngineBackend {
  public:
   // `local`: hca over this rank's node. `leaders`: for each position this rank
   // leads, the engines among that position's leaders (one rank per node, in
@@ -61,25 +54,6 @@ class NodeBackend : public c10d::Backend {
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
-  // Through the engine over every rank.
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& output_splits,
-                                               std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
-
   void startCoalescing() override {}
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
@@ -98,7 +72,6 @@ class NodeBackend : public c10d::Backend {
   };
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const Issue& issue) const;
-  c10d::Backend& world_engine(const at::Tensor& tensor, const char* op) const;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 
@@ -123,7 +96,6 @@ class NodeBackend : public c10d::Backend {
   Nodes nodes_;
   c10::intrusive_ptr<ProcessGroupHCA> local_;
   std::map<int, Engines> leaders_;
-  Engines world_;
   WorkQueue queue_;  // last: its worker stops before the groups go
 };
 

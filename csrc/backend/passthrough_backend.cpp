@@ -8,32 +8,19 @@
 namespace hca {
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
-                                       c10::intrusive_ptr<c10d::Backend> cpu_engine,
-                                       c10::intrusive_ptr<c10d::Backend> cuda_engine)
-    : c10d::Backend(rank, size),
-      timeout_(timeout),
-      packing_(packing),
-      cpu_engine_(std::move(cpu_engine)),
-      cuda_engine_(std::move(cuda_engine)) {
-  TORCH_CHECK_VALUE(cpu_engine_, "hca: the nccl algorithm needs an engine for CPU tensors");
-}
-
-c10d::Backend& PassthroughBackend::engine_for(const at::Tensor& tensor, const char* op) const {
-  if (tensor.device().is_cuda()) {
-    TORCH_CHECK_NOT_IMPLEMENTED(cuda_engine_, "hca ", op, ": the nccl algorithm has no engine for CUDA tensors "
-                                "(torch without NCCL, or no GPU when the group was created)");
-    return *cuda_engine_;
-  }
-  return *cpu_engine_;
-}
+                                       Engines engines)
+    : EngineBackend(rank, size, std::move(engines)), timeout_(timeout), packing_(packing) {}
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
+    return engine(tensors[0], "allreduce").allreduce(tensors, opts);  // sparse: the engine's own form
+  }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);  // the same ops as the other algorithms
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
-  auto packed = std::make_shared<nccl::PackedAllreduce>(engine_for(tensors[0], "allreduce"), args.dense(),
+  auto packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
                                                         make_packs(args.descs(), packing_), opts.reduceOp, timeout);
   auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors,
                                            [packed, args = std::move(args)] {
@@ -52,53 +39,53 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce_coalesced(std::vect
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  return engine_for(tensors[0], "broadcast").broadcast(tensors, opts);
+  return engine(tensors[0], "broadcast").broadcast(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
-  return engine_for(tensors[0], "reduce").reduce(tensors, opts);
+  return engine(tensors[0], "reduce").reduce(tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather");
-  return engine_for(inputs[0], "allgather").allgather(outputs, inputs, opts);
+  return engine(inputs[0], "allgather").allgather(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
-  return engine_for(input, "allgather_into_tensor")._allgather_base(output, input, opts);
+  return engine(input, "allgather_into_tensor")._allgather_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
-  return engine_for(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "reduce_scatter");
-  return engine_for(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, opts);
+  return engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  return engine_for(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
+  return engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  return engine_for(inputs[0], "reduce_scatter_tensor").reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return engine(inputs[0], "reduce_scatter_tensor").reduce_scatter_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOptions& opts) {
-  return cpu_engine_->barrier(opts);
+  return cpu_engine().barrier(opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::endCoalescing() {

@@ -1,21 +1,18 @@
 // The `nccl` algorithm as a wrapper backend: allreduce packs the tensors as the
 // seeds do and hands each pack to a stock engine (ProcessGroupNCCL for CUDA
-// tensors, ProcessGroupGloo for CPU tensors); every other collective goes to
-// the engine as it is. The same wrapper will carry the node leaders' stage of
-// multi-node.
+// tensors, ProcessGroupGloo for CPU tensors); every other operation goes to
+// the engine as it is.
 #pragma once
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-
 #include "../plan/packing.h"
+#include "engine_backend.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
 
-class PassthroughBackend : public c10d::Backend {
+class PassthroughBackend : public EngineBackend {
  public:
-  // `cuda_engine` may be null (torch without NCCL, or no GPU): CUDA tensors are then refused.
-  PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
-                     c10::intrusive_ptr<c10d::Backend> cpu_engine, c10::intrusive_ptr<c10d::Backend> cuda_engine);
+  // `engines.cuda` may be null (torch without NCCL, or no GPU): CUDA tensors are then refused.
+  PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing, Engines engines);
 
   const std::string getBackendName() const override { return "hca"; }
   const PackingOptions& packing() const { return packing_; }
@@ -48,11 +45,8 @@ class PassthroughBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
-  c10d::Backend& engine_for(const at::Tensor& tensor, const char* op) const;
-
   std::chrono::milliseconds timeout_;
   PackingOptions packing_;
-  c10::intrusive_ptr<c10d::Backend> cpu_engine_, cuda_engine_;
   WorkQueue queue_;
 };
 

@@ -1,0 +1,74 @@
+#include "engine_backend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "call_args.hpp"
+
+namespace hca {
+
+EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backend(rank, size), engines_(engines) {
+  TORCH_CHECK_VALUE(engines_.cpu, "hca: a stock engine for CPU tensors is needed");
+}
+
+c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
+  const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;
+  TORCH_CHECK_NOT_IMPLEMENTED(chosen, "hca ", op, ": no stock engine for tensors on ", tensor.device(),
+                              " (for CUDA tensors: ProcessGroupNCCL, which needs torch with NCCL and a GPU when the "
+                              "group is created)");
+  return *chosen;
+}
+
+void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  engines_.cpu->monitoredBarrier(opts, wait_all_ranks);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "gather");
+  return engine(inputs[0], "gather").gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                      std::vector<std::vector<at::Tensor>>& inputs,
+                                                      const c10d::ScatterOptions& opts) {
+  check_nonempty(outputs.size(), "the output list", "scatter");
+  return engine(outputs[0], "scatter").scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                            std::vector<int64_t>& output_splits,
+                                                            std::vector<int64_t>& input_splits,
+                                                            const c10d::AllToAllOptions& opts) {
+  return engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllToAllOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "alltoall");
+  return engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                                  std::vector<at::Tensor>& inputs,
+                                                                  const c10d::AllgatherOptions& opts) {
+  check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
+  return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "send");
+  return engine(tensors[0], "send").send(tensors, dst, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "recv");
+  return engine(tensors[0], "recv").recv(tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  check_nonempty(tensors.size(), "the tensor list", "recv");
+  return engine(tensors[0], "recv").recvAnysource(tensors, tag);
+}
+
+}  // namespace hca

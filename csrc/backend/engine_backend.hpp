@@ -1,0 +1,47 @@
+// A backend that hands the operations it has no form of its own for to stock
+// engines over the same ranks, chosen by the tensors' device: the base of the
+// `nccl` algorithm's wrapper and of the group across nodes.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace hca {
+
+// Stock engines over one set of ranks: for CPU tensors (gloo) and for CUDA
+// tensors (ProcessGroupNCCL); either may be null.
+struct Engines {
+  c10::intrusive_ptr<c10d::Backend> cpu, cuda;
+};
+
+class EngineBackend : public c10d::Backend {
+ public:
+  // `engines.cpu` is required: every call without tensors goes there.
+  EngineBackend(int rank, int size, Engines engines);
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ protected:
+  // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
+  c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
+  c10d::Backend& cpu_engine() const { return *engines_.cpu; }
+
+ private:
+  Engines engines_;
+};
+
+}  // namespace hca
