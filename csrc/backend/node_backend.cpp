@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <optional>
+
 #include "../transport/nccl/passthrough.hpp"
 #ifdef HCA_WITH_CUDA
 #include "cuda/cuda_call.hpp"
@@ -127,27 +129,29 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     flats.push_back(nccl::packed(tensors, pack));
     positions.push_back(pack_position(nodes_, options_, pack.index));
   }
+  // Pipelined: a leader's exchange between nodes (on the engine's own threads)
+  // overlaps the next pack's reduction and the previous pack's copy back.
   auto reduce_opts = stage_options<c10d::ReduceOptions>(timeout);
   reduce_opts.reduceOp = stage_op(op);
+  c10d::AllreduceOptions across;
+  across.reduceOp = stage_op(op);
+  across.timeout = timeout;
+  std::vector<std::optional<AmongLeaders>> exchanges(flats.size());
   for (size_t i = 0; i < flats.size(); ++i) {
     reduce_opts.rootRank = local_leader(positions[i]);
     std::vector<at::Tensor> one{flats[i]};
     local_->reduce(one, reduce_opts)->wait();
-  }
-  c10d::AllreduceOptions across;
-  across.reduceOp = stage_op(op);
-  across.timeout = timeout;
-  std::vector<AmongLeaders> calls;  // every pack this rank leads, at once
-  for (size_t i = 0; i < flats.size(); ++i) {
     if (!leads(positions[i])) continue;
-    calls.push_back(among_leaders(positions[i], {flats[i]}, [&](c10d::Backend& engine, std::vector<at::Tensor>& one) {
-      return engine.allreduce(one, across);
-    }));
+    exchanges[i] = among_leaders(positions[i], {flats[i]}, [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
+      return engine.allreduce(pack, across);
+    });
   }
-  for (auto& c : calls) c.finish();
   auto copy_back = stage_options<c10d::BroadcastOptions>(timeout);
   for (size_t i = 0; i < flats.size(); ++i) {
-    if (op == c10d::ReduceOp::AVG && leads(positions[i])) flats[i].div_(getSize());
+    if (exchanges[i]) {
+      exchanges[i]->finish();
+      if (op == c10d::ReduceOp::AVG) flats[i].div_(getSize());
+    }
     copy_back.rootRank = local_leader(positions[i]);
     std::vector<at::Tensor> one{flats[i]};
     local_->broadcast(one, copy_back)->wait();
