@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A lent GPU session (issue 10) in three phases, each one device call of at most 10 minutes:
 #   bash tools/gpu_session.sh build   # machine facts, build against its torch, the probes (gpu_probes.py)
-#   bash tools/gpu_session.sh test    # every test that runs CUDA tensors (pytest -k cuda)
+#   bash tools/gpu_session.sh test [files]  # every test that runs CUDA tensors (pytest -k cuda)
 #   bash tools/gpu_session.sh check   # compute-sanitizer memcheck and racecheck on a 3-rank test
 #   bash tools/gpu_session.sh bench   # the benchmark on CUDA tensors (JSON + PNG)
 # Logs and results go under $OUT (the device tool's output folder; ./gpu-out elsewhere).
@@ -31,8 +31,11 @@ torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version() if d.is_nccl_av
   timeout 300 $PYTHON tools/gpu_probes.py --out "$OUT/probes.json" 2>&1 | tee "$OUT/probes.log"
   ;;
 test)
+  # -v streams one line per test, so a run cut by the timeout still tells what passed.
+  # Extra arguments select files (e.g. `test test_collectives.py`) when one call cannot hold them all.
   cd tests
-  timeout 560 $PYTHON -m pytest -q -rs -k cuda --junitxml "$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log"
+  timeout 560 $PYTHON -m pytest -v -rs -k cuda --durations=15 --junitxml "$OUT/junit.xml" "${@:2}" 2>&1 |
+    tee "$OUT/tests.log"
   ;;
 check)
   # Every process of the run (ranks are spawned children) under the sanitizer.
