@@ -37,6 +37,7 @@ void WorkHCA::synchronize() {
   if (!device_) return;
   device_->make_current_stream_wait();
   stash_.clear();
+  device_->check_released();
 }
 
 void WorkHCA::execute() {

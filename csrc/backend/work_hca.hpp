@@ -30,6 +30,9 @@ class DeviceCompletion {
   virtual void make_current_stream_wait() const = 0;
   // Completes `future` so that its users' streams wait for the device.
   virtual void complete(c10::ivalue::Future& future, const c10::IValue& value) const = 0;
+  // DistBackendError if the device work was released unfinished after a failure
+  // (known only once the failure has been detected; later calls raise it too).
+  virtual void check_released() const = 0;
 };
 
 class WorkHCA : public c10d::Work {

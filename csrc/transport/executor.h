@@ -5,6 +5,7 @@
 #pragma once
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,25 @@ struct TensorSpan {
   void* out;
 };
 
+// CUDA only: set when the executor gave up on an issued collective and
+// released the streams waiting in it (its outputs are then undefined).
+class Released {
+ public:
+  void set(const std::string& cause) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (cause_.empty()) cause_ = cause;
+  }
+  // Empty while not released.
+  std::string cause() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cause_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::string cause_;
+};
+
 struct Collective {
   std::shared_ptr<const std::vector<PackPlan>> plan;
   std::vector<TensorSpan> tensors;
@@ -28,6 +48,7 @@ struct Collective {
   // CUDA only: the device of the tensors and the cudaStream_t to issue on.
   int device = -1;
   void* stream = nullptr;
+  std::shared_ptr<Released> released;  // may be null
 };
 
 class Executor {

@@ -42,6 +42,13 @@ void CudaCall::complete(c10::ivalue::Future& future, const c10::IValue& value) c
   future.markCompleted(value);
 }
 
+void CudaCall::check_released() const {
+  const std::string cause = released_->cause();
+  if (!cause.empty()) {
+    C10_THROW_ERROR(DistBackendError, cause + " (this call was released unfinished: its outputs are undefined)");
+  }
+}
+
 std::function<void()> issued_by(std::shared_ptr<CudaCall> call, std::function<void()> body) {
   return [call = std::move(call), body = std::move(body)] {
     call->begin();
@@ -57,6 +64,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_cuda(c10d::OpType type, E
   for (auto& c : collectives) {
     c.device = call->device_index();
     c.stream = call->stream();
+    c.released = call->released();
   }
   std::vector<at::Tensor> stash = args.dense();
   stash.insert(stash.end(), outputs.begin(), outputs.end());

@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "../../transport/executor.h"
 #include "../work_hca.hpp"
 
 namespace hca {
@@ -34,11 +35,15 @@ class CudaCall final : public DeviceCompletion {
   bool query() const override;
   void make_current_stream_wait() const override;
   void complete(c10::ivalue::Future& future, const c10::IValue& value) const override;
+  void check_released() const override;
+  // What the executor marks when it releases this call's streams after a failure.
+  const std::shared_ptr<Released>& released() const { return released_; }
 
  private:
   at::Device device_;
   c10::cuda::CUDAStream comm_;
   cudaEvent_t ready_ = nullptr, end_ = nullptr;
+  std::shared_ptr<Released> released_ = std::make_shared<Released>();
 };
 
 // `body` as a Work body for `call`: issued on the call's internal stream (current

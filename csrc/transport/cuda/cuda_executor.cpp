@@ -272,8 +272,9 @@ class CudaExecutor final : public Executor {
       check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventRecord(done, stream), "cudaEventRecord");
       std::lock_guard<std::mutex> lock(mutex_);
-      pending_.push_back({done, ctx});
+      pending_.push_back({done, ctx, collective.released});
     } catch (const Failure& failure) {
+      std::lock_guard<std::mutex> lock(mutex_);
       fail(failure);
       throw;
     }
@@ -283,6 +284,7 @@ class CudaExecutor final : public Executor {
   struct Pending {
     cudaEvent_t done;
     WaitContext ctx;
+    std::shared_ptr<Released> released;
   };
 
   void set_up(int device, std::chrono::milliseconds timeout) {
@@ -297,9 +299,13 @@ class CudaExecutor final : public Executor {
   }
 
   // Publishes the cause and releases every stream that waits on a progress word.
+  // Callers hold mutex_. Every unfinished collective is released: its Work says so in wait().
   void fail(const Failure& failure) {
     control_.publish_failure(failure);
     failed_ = true;
+    for (auto& p : pending_) {
+      if (p.released) p.released->set(failure.what());
+    }
     poison();
   }
 
