@@ -85,7 +85,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
         outs = [torch.full((517,), 7, dtype=dtype, device=dev) for _ in range(world)]
         dist.all_gather(outs, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
-    for op in ("SUM", "MAX"):
+    for op in ("SUM", "AVG", "MAX"):
         case += 1
         inputs = [make_input(case, r, world * 333, torch.float32, op) for r in range(world)]
         want = reduce_reference(inputs, op)[rank * 333:(rank + 1) * 333]

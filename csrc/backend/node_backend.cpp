@@ -17,6 +17,11 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+// Row indices for index_select on `like`'s device.
+at::Tensor rows_on(const std::vector<int64_t>& rows, const at::Tensor& like) {
+  return at::tensor(rows).to(like.device());
+}
+
 // Stages sum where the op averages: the division happens once, at the end.
 c10d::ReduceOp stage_op(const c10d::ReduceOp& op) {
   return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
@@ -243,6 +248,41 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
   return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp);
 }
 
+void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
+                                        std::chrono::milliseconds timeout) {
+  const int64_t k = output.numel();
+  std::vector<at::Tensor> whole{input.clone()};
+  auto inside = stage_options<c10d::ReduceOptions>(timeout);
+  inside.reduceOp = stage_op(op);
+  inside.rootRank = local_leader(0);
+  local_->reduce(whole, inside)->wait();
+  at::Tensor blocks;  // on a leader: its node's ranks' blocks, reduced over every node
+  if (leads(0)) {
+    const at::Tensor rows = whole[0].view({getSize(), k});
+    c10d::ReduceOptions across;
+    across.reduceOp = stage_op(op);
+    across.timeout = timeout;
+    std::vector<AmongLeaders> reductions;
+    for (int m = 0; m < nodes_.count(); ++m) {
+      const auto& members = nodes_.members[m];
+      at::Tensor part = rows.index_select(0, rows_on(std::vector<int64_t>(members.begin(), members.end()), rows));
+      across.rootRank = m;
+      reductions.push_back(among_leaders(0, {part}, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+        return engine.reduce(tensors, across);
+      }));
+      if (m == node()) blocks = part;
+    }
+    for (auto& r : reductions) r.finish();
+    if (op == c10d::ReduceOp::AVG) blocks.div_(getSize());
+  }
+  auto scatter = stage_options<c10d::ScatterOptions>(timeout);
+  scatter.rootRank = local_leader(0);
+  std::vector<at::Tensor> mine{output};
+  std::vector<std::vector<at::Tensor>> per_rank;
+  if (leads(0)) per_rank.push_back(blocks.view({-1, k}).unbind(0));
+  local_->scatter(mine, per_rank, scatter)->wait();
+}
+
 void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout) {
   const int64_t k = input.numel();
   const int here = static_cast<int>(nodes_.members[node()].size());
@@ -261,8 +301,7 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
     }).finish();
     std::vector<int64_t> order;  // where rank r's block sits in `every`
     for (int r = 0; r < getSize(); ++r) order.push_back(nodes_.node_of[r] * widest + nodes_.local_rank[r]);
-    const at::Tensor rows = at::tensor(order).to(input.device());
-    output.view({getSize(), k}).copy_(every.view({nodes_.count() * widest, k}).index_select(0, rows));
+    output.view({getSize(), k}).copy_(every.view({nodes_.count() * widest, k}).index_select(0, rows_on(order, every)));
   }
   auto inside = stage_options<c10d::BroadcastOptions>(timeout);
   inside.rootRank = local_leader(0);
@@ -337,13 +376,10 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
     args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * getSize(), "the input");
   }
   check_device(args.device(), "reduce_scatter_tensor");
-  // Each input is all-reduced whole (packed and led as an allreduce), and each rank keeps its slice.
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
     for (size_t i = 0; i < n; ++i) {
-      std::vector<at::Tensor> whole{args.dense()[n + i].reshape({-1}).clone()};
-      allreduce_stages(whole, make_packs({args.descs()[n + i]}, options_.packing), op, timeout);
-      const int64_t k = static_cast<int64_t>(args.descs()[i].numel);
-      args.dense()[i].view(-1).copy_(whole[0].narrow(0, getRank() * k, k));
+      at::Tensor out = args.dense()[i].view(-1);
+      reduce_scatter_stages(out, args.dense()[n + i].view(-1), op, timeout);
     }
     args.write_back();
   };

@@ -79,6 +79,11 @@ class NodeBackend : public EngineBackend {
   // led from its pack position; AVG sums and divides once, on the leaders.
   void allreduce_stages(const std::vector<at::Tensor>& tensors, const std::vector<Pack>& packs, c10d::ReduceOp op,
                         std::chrono::milliseconds timeout);
+  // reduce_scatter of one dense input of world blocks: the node reduces it into
+  // its leader of position 0, the leaders reduce each node's blocks into that
+  // node's leader, which scatters them inside its node.
+  void reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
+                             std::chrono::milliseconds timeout);
   // allgather of one dense input into one dense output of world blocks.
   void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout);
   // Queues `body` over the call's tensors (for CUDA tensors, issued on an
