@@ -16,6 +16,20 @@ class RankFailed(AssertionError):
     pass
 
 
+# For NCCL with several ranks on one GPU (NCCL 2.30+; ranks take the GPUs round-robin).
+NCCL_SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+
+
+def nccl_fits(ranks):
+    """Whether stock NCCL can join `ranks` ranks here: a GPU each, or several ranks per GPU
+    (NCCL 2.30+ with NCCL_SHARED_GPU_ENV)."""
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return False
+    return torch.cuda.device_count() >= ranks or torch.cuda.nccl.version() >= (2, 30, 0)
+
+
 def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results):
     os.environ.update(env or {})
     try:

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import node_cases
 import torch_hca
-from harness import raises, run_ranks
+from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
 from netns import TwoHosts, unavailable
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -122,12 +122,6 @@ def test_a_device_this_build_cannot_carry_across_nodes_is_named():
                                   f"(CPU tensors are{', and CUDA tensors' if torch_hca._C.has_cuda else ''}"), message
 
 
-def _nccl_joins_leaders_on(world):
-    """Whether NCCL can join leaders that share GPUs (ranks take GPUs round-robin): one GPU per
-    rank, or NCCL 2.30+ with several ranks per GPU enabled (NCCL_MULTI_RANK_GPU_ENABLE=1)."""
-    return NCCL_USABLE and (torch.cuda.device_count() >= world or torch.cuda.nccl.version() >= (2, 30, 0))
-
-
 @needs_cuda
 @pytest.mark.parametrize("engine", ["gloo", "nccl"])
 @pytest.mark.parametrize("name", ["2x2", "3+1"])
@@ -136,9 +130,9 @@ def test_cuda_tensors_across_named_nodes(name, engine):
     copies), every result against float64 references; several ranks share the GPU."""
     ids = LAYOUTS[name]
     world = len(ids)
-    if engine == "nccl" and not _nccl_joins_leaders_on(world):
+    if engine == "nccl" and not (NCCL_USABLE and nccl_fits(world)):
         pytest.skip("NCCL here cannot put several leaders on one GPU")
-    env = [{**e, "NCCL_MULTI_RANK_GPU_ENABLE": "1"} for e in _node_env(ids)]
+    env = [{**e, **NCCL_SHARED_GPU_ENV} for e in _node_env(ids)]
     assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), "cuda", engine,
                      env_per_rank=env) == [[]] * world
     assert run_ranks(node_cases.rooted_and_gathers, world, "hierarchical_copy", "cuda", engine,

@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import run_ranks
+from harness import NCCL_SHARED_GPU_ENV, nccl_fits, run_ranks
 from node_cases import forwarded_ops
-from reference import OPS, make_input, mismatch, reduce_reference
+from reference import OPS, make_input, mismatch, rank_device, reduce_reference
 
 # (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
 SPECS = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.float64, 1001), (torch.float32, 5),
@@ -21,7 +21,8 @@ PACKINGS = {  # name: (options, batch)
 }
 
 
-def _batches(rank, world):
+def _batches(rank, world, device="cpu"):
+    dev = rank_device(device, rank)
     errors, case = [], 0
     for name, (packing, batch) in PACKINGS.items():
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl", **packing))
@@ -29,12 +30,12 @@ def _batches(rank, world):
             specs = [(d, n) for d, n in batch if op != "AVG" or d.is_floating_point]
             case += 1
             inputs = [[make_input(case * 100 + i, r, n, d, op) for i, (d, n) in enumerate(specs)] for r in range(world)]
-            mine = [t.clone() for t in inputs[rank]]
+            mine = [t.to(dev, copy=True) for t in inputs[rank]]
             torch_hca.batch_allreduce(mine, op=OPS[op], group=group)
             for i, t in enumerate(mine):
                 want = reduce_reference([inputs[r][i] for r in range(world)], op)
                 errors.append(mismatch(f"{name} {op} tensor {i} {t.dtype}", t, want, world))
-        t = make_input(999, rank, 777, torch.float32, "SUM")
+        t = make_input(999, rank, 777, torch.float32, "SUM").to(dev)
         dist.all_reduce(t, group=group)  # one tensor through the plain entry point
         errors.append(mismatch(f"{name} all_reduce", t, reduce_reference(
             [make_input(999, r, 777, torch.float32, "SUM") for r in range(world)], "SUM"), world))
@@ -44,6 +45,15 @@ def _batches(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_packing_branch_against_reference(world):
     assert run_ranks(_batches, world) == [[]] * world
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_packing_branch_on_cuda_through_nccl(world):
+    """CUDA packs to ProcessGroupNCCL: world 1 anywhere with a GPU, several ranks where NCCL
+    accepts them (a GPU each, or NCCL 2.30+ sharing one)."""
+    if not nccl_fits(world):
+        pytest.skip("needs a CUDA device and NCCL that accepts these ranks")
+    assert run_ranks(_batches, world, "cuda", env=NCCL_SHARED_GPU_ENV) == [[]] * world
 
 
 def _forwarded(rank, world):
