@@ -114,6 +114,8 @@ void CallArgs::write_back() const {
   }
 }
 
+namespace {
+
 CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca ", name, ": ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
@@ -121,6 +123,32 @@ CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, c
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
   return CallArgs(name, all);
+}
+
+}  // namespace
+
+CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                               int size) {
+  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
+  const size_t n = outputs.size();
+  for (size_t i = 0; i < n; ++i) {
+    args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * size, "the output");
+  }
+  return args;
+}
+
+CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                    int size) {
+  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
+  const size_t n = outputs.size();
+  for (size_t i = 0; i < n; ++i) {
+    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * size, "the input");
+  }
+  return args;
+}
+
+bool is_sparse_call(const std::vector<at::Tensor>& tensors) {
+  return tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided;
 }
 
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size) {

@@ -50,10 +50,15 @@ DType plan_dtype(at::ScalarType type, const char* op);
 void check_nonempty(size_t count, const char* what, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);
-// The paired form of `name` (output i for input i, as in allgather_into_tensor
-// and reduce_scatter_tensor): as many outputs as inputs, at least one; the
-// call's arguments, the outputs first.
-CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs);
+// The paired forms, output i for input i: as many outputs as inputs, at least
+// one, each of the input's dtype; the call's arguments, the outputs first.
+// allgather_into_tensor: each output holds `size` inputs.
+CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int size);
+// reduce_scatter_tensor: each input holds `size` outputs.
+CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                    int size);
+// A call of one sparse tensor (allreduce's sparse form).
+bool is_sparse_call(const std::vector<at::Tensor>& tensors);
 // allgather's list form checked (one input, one output list of one tensor per
 // rank, each like the input): the call's arguments, the list first, the input last.
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size);

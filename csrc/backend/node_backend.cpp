@@ -22,11 +22,6 @@ at::Tensor rows_on(const std::vector<int64_t>& rows, const at::Tensor& like) {
   return at::tensor(rows).to(like.device());
 }
 
-// Stages sum where the op averages: the division happens once, at the end.
-c10d::ReduceOp stage_op(const c10d::ReduceOp& op) {
-  return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
-}
-
 template <class Options>
 Options stage_options(std::chrono::milliseconds timeout) {
   Options o;
@@ -137,9 +132,9 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
   // Pipelined: a leader's exchange between nodes (on the engine's own threads)
   // overlaps the next pack's reduction and the previous pack's copy back.
   auto reduce_opts = stage_options<c10d::ReduceOptions>(timeout);
-  reduce_opts.reduceOp = stage_op(op);
+  reduce_opts.reduceOp = nccl::engine_op(op);
   c10d::AllreduceOptions across;
-  across.reduceOp = stage_op(op);
+  across.reduceOp = nccl::engine_op(op);
   across.timeout = timeout;
   std::vector<std::optional<AmongLeaders>> exchanges(flats.size());
   for (size_t i = 0; i < flats.size(); ++i) {
@@ -167,7 +162,7 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
-  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
+  if (is_sparse_call(tensors)) {
     return engine(tensors[0], "allreduce").allreduce(tensors, opts);
   }
   CallArgs args("allreduce", tensors);
@@ -226,12 +221,12 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
     std::vector<at::Tensor> partial;
     for (const auto& t : args.dense()) partial.push_back(relays ? t.clone() : t);
     auto inside = stage_options<c10d::ReduceOptions>(timeout);
-    inside.reduceOp = stage_op(op);
+    inside.reduceOp = nccl::engine_op(op);
     inside.rootRank = local_leader(position);
     local_->reduce(partial, inside)->wait();
     if (leads(position)) {
       c10d::ReduceOptions across;
-      across.reduceOp = stage_op(op);
+      across.reduceOp = nccl::engine_op(op);
       across.rootRank = nodes_.node_of[dst];
       across.timeout = timeout;
       among_leaders(position, partial, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
@@ -253,14 +248,14 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
   const int64_t k = output.numel();
   std::vector<at::Tensor> whole{input.clone()};
   auto inside = stage_options<c10d::ReduceOptions>(timeout);
-  inside.reduceOp = stage_op(op);
+  inside.reduceOp = nccl::engine_op(op);
   inside.rootRank = local_leader(0);
   local_->reduce(whole, inside)->wait();
   at::Tensor blocks;  // on a leader: its node's ranks' blocks, reduced over every node
   if (leads(0)) {
     const at::Tensor rows = whole[0].view({getSize(), k});
     c10d::ReduceOptions across;
-    across.reduceOp = stage_op(op);
+    across.reduceOp = nccl::engine_op(op);
     across.timeout = timeout;
     std::vector<AmongLeaders> reductions;
     for (int m = 0; m < nodes_.count(); ++m) {
@@ -336,11 +331,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::AllgatherOptions& opts) {
-  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
+  CallArgs args = allgather_tensor_args(outputs, inputs, getSize());
   const size_t n = outputs.size();
-  for (size_t i = 0; i < n; ++i) {
-    args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * getSize(), "the output");
-  }
   check_device(args.device(), "allgather_into_tensor");
   auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
     for (size_t i = 0; i < n; ++i) {
@@ -369,12 +361,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
+  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getSize());
   args.reduce_op(opts.reduceOp);
   const size_t n = outputs.size();
-  for (size_t i = 0; i < n; ++i) {
-    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * getSize(), "the input");
-  }
   check_device(args.device(), "reduce_scatter_tensor");
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
     for (size_t i = 0; i < n; ++i) {

@@ -120,7 +120,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
-  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
+  if (is_sparse_call(tensors)) {
     return allreduce_sparse(tensors[0], opts);
   }
   CallArgs args("allreduce", tensors);
@@ -169,7 +169,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
 
 Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t output, size_t input) const {
   const int64_t numel = static_cast<int64_t>(args.descs()[input].numel);
-  args.check_like(output, input, numel * getSize(), "the output");
   const at::Tensor& in = args.dense()[input];
   const at::Tensor& out = args.dense()[output];
   std::vector<TensorSpan> spans;
@@ -203,7 +202,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
-  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
+  CallArgs args = allgather_tensor_args(outputs, inputs, getSize());
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
   return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
@@ -213,7 +212,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(
 Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size_t output, size_t input,
                                                       ReduceOp op) const {
   const int64_t numel = static_cast<int64_t>(args.descs()[output].numel);
-  args.check_like(input, output, numel * getSize(), "the input");
   const at::Tensor& in = args.dense()[input];
   const at::Tensor& out = args.dense()[output];
   std::vector<TensorSpan> spans;
@@ -238,7 +236,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor&
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
+  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getSize());
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) {

@@ -27,12 +27,16 @@ void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, cons
   }
 }
 
+c10d::ReduceOp engine_op(const c10d::ReduceOp& op) {
+  return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+}
+
 PackedAllreduce::PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
                                  c10d::ReduceOp op, std::chrono::milliseconds timeout)
     : tensors_(std::move(tensors)), packs_(std::move(packs)), average_(op == c10d::ReduceOp::AVG),
       world_(engine.getSize()) {
   c10d::AllreduceOptions opts;
-  opts.reduceOp = average_ ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+  opts.reduceOp = engine_op(op);
   opts.timeout = timeout;
   for (const Pack& pack : packs_) {
     flats_.push_back(packed(tensors_, pack));

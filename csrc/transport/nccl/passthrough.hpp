@@ -16,12 +16,15 @@ at::Tensor packed(const std::vector<at::Tensor>& tensors, const Pack& pack);
 // Copies `flat` (from packed) back into the tensors, where it is a copy.
 void unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors, const Pack& pack);
 
+// What an engine runs for `op`: AVG as SUM (gloo has no AVG, and the seeds
+// divide once after the sum anyway); the caller divides once, at the end.
+c10d::ReduceOp engine_op(const c10d::ReduceOp& op);
+
 // One packed allreduce, issued to the engine on construction (so engine calls
 // keep the caller's order); finish() waits for it and writes the results back.
 class PackedAllreduce {
  public:
-  // `tensors` must be contiguous. AVG is run as SUM and divided once here:
-  // gloo has no AVG, and the seeds divide once after the sum anyway.
+  // `tensors` must be contiguous. AVG is run as SUM and divided once here.
   PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
                   c10d::ReduceOp op, std::chrono::milliseconds timeout);
   void finish();
