@@ -191,3 +191,34 @@ def test_coalescing_manager(world, device):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_views_empty_async_and_objects(world, device):
     assert run_ranks(_odd_shapes, world, device) == [[]] * world
+
+
+def _async_order(rank, world, device):
+    """Async calls on one tensor, waited on in any order (a wait may run its Work itself, a blocking
+    call may come between): they still run in call order, so MAX, SUM, AVG, SUM give world^2 * max."""
+    dev = rank_device(device, rank)
+    errors = []
+    inputs = [make_input(90, r, 1000, torch.float64, "SUM") for r in range(world)]
+    want = reduce_reference(inputs, "MAX") * world * world
+    for order in ("first at once, rest reversed", "reversed", "blocking call between"):
+        t = inputs[rank].to(dev, copy=True)
+        works = [dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)]
+        if order == "first at once, rest reversed":
+            works[0].wait()
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            works.append(dist.all_reduce(t, op=op, async_op=True))
+        if order == "blocking call between":
+            other = inputs[rank].to(dev, copy=True)
+            dist.all_reduce(other)
+            errors.append(mismatch(f"{order}: the blocking call", other, reduce_reference(inputs, "SUM"), world))
+            works[2].wait()
+        for w in reversed(works):
+            w.wait()
+        errors.append(mismatch(order, t, want, world))
+        errors.append(None if all(w.is_completed() for w in works) else f"{order}: a work not completed")
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_async_calls_waited_in_any_order(world, device):
+    assert run_ranks(_async_order, world, device) == [[]] * world

@@ -14,6 +14,29 @@ void poll_briefly(Done done) {
 
 }  // namespace
 
+// The queue's state, which a queued Work's wait() reaches too (it may outlive the WorkQueue).
+class WorkQueueState {
+ public:
+  // See WorkQueue::submit.
+  void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
+  // Runs `work` on this thread if it is next and the worker is idle; false if not.
+  bool run_if_next(const WorkHCA& work);
+  // The worker thread's loop, until stop().
+  void loop();
+  void stop();
+
+ private:
+  std::mutex mutex_;
+  std::mutex running_;  // held while a collective runs, on any thread
+  std::condition_variable ready_;
+  std::deque<c10::intrusive_ptr<WorkHCA>> queue_;
+  size_t unfinished_ = 0;  // queued or running after being queued
+  std::atomic<size_t> queued_{0};  // queue_.size(), read while polling without the lock
+  bool worker_busy_ = false;  // the worker took a Work and has not finished it
+  bool sleeping_ = false;  // the worker waits on ready_
+  bool stop_ = false;
+};
+
 WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
                  std::shared_ptr<DeviceCompletion> device, std::vector<at::Tensor> stash)
     : c10d::Work(rank, type),
@@ -25,6 +48,7 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
                                                        device_ ? device_->devices() : std::vector<c10::Device>{})) {}
 
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
+  if (auto queue = queue_.lock()) queue->run_if_next(*this);
   // A small collective ends within microseconds: poll a little before sleeping
   // on the condition variable, whose wake-up costs more than the collective.
   poll_briefly([this] { return c10d::Work::isCompleted(); });
@@ -66,19 +90,7 @@ void WorkHCA::complete(std::exception_ptr error) {
   }
 }
 
-WorkQueue::WorkQueue() : worker_([this] { loop(); }) {}
-
-WorkQueue::~WorkQueue() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-    queued_.fetch_add(1, std::memory_order_release);  // ends a poll at once
-  }
-  ready_.notify_all();
-  worker_.join();
-}
-
-void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+void WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
   std::unique_lock<std::mutex> running;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -95,7 +107,26 @@ void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline)
   work->execute();
 }
 
-void WorkQueue::loop() {
+bool WorkQueueState::run_if_next(const WorkHCA& work) {
+  c10::intrusive_ptr<WorkHCA> taken;
+  std::unique_lock<std::mutex> running;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (worker_busy_ || queue_.empty() || queue_.front().get() != &work) return false;
+    taken = std::move(queue_.front());
+    queue_.pop_front();
+    queued_.fetch_sub(1, std::memory_order_relaxed);
+    // Everything before it has finished; taken under mutex_, so the worker's next Work waits for it.
+    running = std::unique_lock<std::mutex>(running_);
+  }
+  taken->execute();
+  running.unlock();
+  std::lock_guard<std::mutex> lock(mutex_);
+  --unfinished_;
+  return true;
+}
+
+void WorkQueueState::loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     if (queue_.empty() && !stop_) {
@@ -111,14 +142,37 @@ void WorkQueue::loop() {
     auto work = std::move(queue_.front());
     queue_.pop_front();
     queued_.fetch_sub(1, std::memory_order_relaxed);
+    worker_busy_ = true;
     lock.unlock();
     {
       std::lock_guard<std::mutex> running(running_);
       work->execute();
     }
     lock.lock();
+    worker_busy_ = false;
     --unfinished_;
   }
+}
+
+void WorkQueueState::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+    queued_.fetch_add(1, std::memory_order_release);  // ends a poll at once
+  }
+  ready_.notify_all();
+}
+
+WorkQueue::WorkQueue() : state_(std::make_shared<WorkQueueState>()), worker_([state = state_.get()] { state->loop(); }) {}
+
+WorkQueue::~WorkQueue() {
+  state_->stop();
+  worker_.join();  // after the queued Works have run
+}
+
+void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+  work->queue_ = state_;
+  state_->submit(work, run_inline);
 }
 
 }  // namespace hca

@@ -1,6 +1,7 @@
 // Work objects and the ordered queue behind them: collectives run one at a
-// time, in call order, on a worker thread (or inline for a blocking call with
-// nothing queued); each Work completes a Future, which DDP reads.
+// time, in call order, on a worker thread (or inline: a blocking call with
+// nothing queued, or a queued Work waited on before the worker took it); each
+// Work completes a Future, which DDP reads.
 #pragma once
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -10,6 +11,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -35,6 +37,8 @@ class DeviceCompletion {
   virtual void check_released() const = 0;
 };
 
+class WorkQueueState;
+
 class WorkHCA : public c10d::Work {
  public:
   // `device` (optional): the stream work the body issues; `stash` stays alive
@@ -46,8 +50,10 @@ class WorkHCA : public c10d::Work {
   bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::vector<at::Tensor> result() override { return outputs_; }
-  // Waits for the host body (it may be queued); for device work, the caller's
-  // current stream then waits for the device, without blocking the host.
+  // Waits for the host body: runs it here if it is next in its queue and the
+  // worker has not taken it (no thread hand-off; the collective's own timeout
+  // applies), else waits for the worker. For device work, the caller's current
+  // stream then waits for the device, without blocking the host.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
   // Runs the body and completes the Work and its Future (with the error, if any).
@@ -56,6 +62,8 @@ class WorkHCA : public c10d::Work {
   void complete(std::exception_ptr error);
 
  private:
+  friend class WorkQueue;
+  std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
   std::vector<at::Tensor> outputs_;
   std::function<void()> body_;
   std::shared_ptr<DeviceCompletion> device_;
@@ -85,15 +93,7 @@ class WorkQueue {
   void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
 
  private:
-  void loop();
-  std::mutex mutex_;
-  std::mutex running_;  // held while a collective runs, on either thread
-  std::condition_variable ready_;
-  std::deque<c10::intrusive_ptr<WorkHCA>> queue_;
-  size_t unfinished_ = 0;  // queued or running on the worker
-  std::atomic<size_t> queued_{0};  // queue_.size(), read while polling without the lock
-  bool sleeping_ = false;  // the worker waits on ready_
-  bool stop_ = false;
+  std::shared_ptr<WorkQueueState> state_;  // shared with the Works it holds
   std::thread worker_;
 };
 
