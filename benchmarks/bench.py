@@ -123,13 +123,22 @@ def time_batches(rank, world, timer_group):
 LATENCY_SIZES = [4, 256, 4 << 10, 64 << 10]
 
 
+LATENCY_BACKENDS = ("gloo", "hca", "hca num_packs=2")
+
+
 def time_latency(rank, world, timer_group, device):
-    """Small allreduces, blocking and async + wait(), for gloo and hca (default options): mean
-    microseconds per call over a batch of back-to-back calls (median of 15 batches, slowest rank)."""
+    """Small allreduces, blocking and async + wait(), for gloo, hca (default options) and hca with
+    num_packs=2: mean microseconds per call over a batch of back-to-back calls (median of 15
+    batches, slowest rank)."""
+    import torch_hca
+
     dev = rank_device(device, rank)
     rows = []
-    for label, backend in (("gloo", "gloo"), ("hca", "hca")):
-        group = dist.new_group(backend=backend) if backend != "gloo" else timer_group
+    for label in LATENCY_BACKENDS:
+        if label == "gloo":
+            group = timer_group
+        else:
+            group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=2 if "=2" in label else 1))
         for nbytes in LATENCY_SIZES:
             t = torch.zeros(max(1, nbytes // 4), device=dev)
             for mode, fn in (("blocking", lambda: dist.all_reduce(t, group=group)),
@@ -153,16 +162,22 @@ def time_latency(rank, world, timer_group, device):
 
 
 def print_latency(latency):
-    """One line per (ranks, size): each backend's blocking and async time, and async / blocking."""
+    """One line per (ranks, size): each backend's blocking and async time; for hca, async / blocking."""
     if not latency:
         return
     cell = {(r["backend"], r["mode"], r["world_size"], r["size"]): r["time_us"] for r in latency}
     print("\n# small allreduce latency (us per call; async = async_op=True then wait())")
-    print("| ranks | size | gloo blocking | gloo async | hca blocking | hca async | hca async/blocking |")
-    print("|---|---|---|---|---|---|---|")
+    header = ["ranks", "size"]
+    for b in LATENCY_BACKENDS:
+        header += [f"{b} blocking", f"{b} async"] + ([f"{b} async/blocking"] if b != "gloo" else [])
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for world, size in dict.fromkeys((r["world_size"], r["size"]) for r in latency):
-        g_b, g_a, h_b, h_a = (cell[(b, m, world, size)] for b in ("gloo", "hca") for m in ("blocking", "async"))
-        print(f"| {world} | {size} B | {g_b:.1f} | {g_a:.1f} | {h_b:.1f} | {h_a:.1f} | {h_a / h_b:.2f} |")
+        line = [str(world), f"{size} B"]
+        for b in LATENCY_BACKENDS:
+            blocking, async_ = cell[(b, "blocking", world, size)], cell[(b, "async", world, size)]
+            line += [f"{blocking:.1f}", f"{async_:.1f}"] + ([f"{async_ / blocking:.2f}"] if b != "gloo" else [])
+        print("| " + " | ".join(line) + " |")
 
 
 def worker(rank, world, init, sizes, ops, out_path, device, pin):
