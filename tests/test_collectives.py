@@ -1,5 +1,7 @@
 """Every collective on CPU tensors, world sizes 1-4, against float64 references."""
 import hashlib
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -222,3 +224,29 @@ def _async_order(rank, world, device):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_async_calls_waited_in_any_order(world, device):
     assert run_ranks(_async_order, world, device) == [[]] * world
+
+
+def _wait_with_a_timeout(rank, world, device):
+    """Work.wait(timeout) on an async call whose last rank comes late gives control back with an
+    error instead of running the call to its end; a plain wait() then completes it."""
+    dev = rank_device(device, rank)
+    inputs = [make_input(91, r, 100, torch.float64, "SUM") for r in range(world)]
+    t = inputs[rank].to(dev, copy=True)
+    if rank == world - 1:
+        time.sleep(1.5)
+    work = dist.all_reduce(t, async_op=True)
+    errors = []
+    if rank == 0:
+        try:
+            work.wait(timeout=timedelta(milliseconds=200))
+            errors.append("wait(timeout=200 ms) returned although the last rank had not called yet")
+        except RuntimeError as e:
+            errors.append(None if "timed out" in str(e).lower() else f"unexpected error: {e}")
+    work.wait()
+    errors.append(mismatch("after the late rank", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_wait_with_a_timeout_returns_within_it(world, device):
+    assert run_ranks(_wait_with_a_timeout, world, device) == [[]] * world

@@ -48,7 +48,10 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
                                                        device_ ? device_->devices() : std::vector<c10::Device>{})) {}
 
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
-  if (auto queue = queue_.lock()) queue->run_if_next(*this);
+  // Not with a timeout of its own: the caller then expects control back within it.
+  if (timeout == kNoTimeout) {
+    if (auto queue = queue_.lock()) queue->run_if_next(*this);
+  }
   // A small collective ends within microseconds: poll a little before sleeping
   // on the condition variable, whose wake-up costs more than the collective.
   poll_briefly([this] { return c10d::Work::isCompleted(); });

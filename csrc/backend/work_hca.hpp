@@ -50,9 +50,9 @@ class WorkHCA : public c10d::Work {
   bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::vector<at::Tensor> result() override { return outputs_; }
-  // Waits for the host body: runs it here if it is next in its queue and the
-  // worker has not taken it (no thread hand-off; the collective's own timeout
-  // applies), else waits for the worker. For device work, the caller's current
+  // Waits for the host body: without a timeout, runs it here if it is next in
+  // its queue and the worker has not taken it (no thread hand-off), else waits
+  // for the worker (up to `timeout`, if given). For device work, the caller's current
   // stream then waits for the device, without blocking the host.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
