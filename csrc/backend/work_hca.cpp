@@ -26,6 +26,8 @@ class WorkQueueState {
   void stop();
 
  private:
+  // Pops the head of the queue; mutex_ held.
+  c10::intrusive_ptr<WorkHCA> take_front();
   std::mutex mutex_;
   std::mutex running_;  // held while a collective runs, on any thread
   std::condition_variable ready_;
@@ -116,9 +118,7 @@ bool WorkQueueState::run_if_next(const WorkHCA& work) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (worker_busy_ || queue_.empty() || queue_.front().get() != &work) return false;
-    taken = std::move(queue_.front());
-    queue_.pop_front();
-    queued_.fetch_sub(1, std::memory_order_relaxed);
+    taken = take_front();
     // Everything before it has finished; taken under mutex_, so the worker's next Work waits for it.
     running = std::unique_lock<std::mutex>(running_);
   }
@@ -127,6 +127,13 @@ bool WorkQueueState::run_if_next(const WorkHCA& work) {
   std::lock_guard<std::mutex> lock(mutex_);
   --unfinished_;
   return true;
+}
+
+c10::intrusive_ptr<WorkHCA> WorkQueueState::take_front() {
+  auto work = std::move(queue_.front());
+  queue_.pop_front();
+  queued_.fetch_sub(1, std::memory_order_relaxed);
+  return work;
 }
 
 void WorkQueueState::loop() {
@@ -142,9 +149,7 @@ void WorkQueueState::loop() {
       sleeping_ = false;
     }
     if (queue_.empty()) return;
-    auto work = std::move(queue_.front());
-    queue_.pop_front();
-    queued_.fetch_sub(1, std::memory_order_relaxed);
+    auto work = take_front();
     worker_busy_ = true;
     lock.unlock();
     {
