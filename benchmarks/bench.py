@@ -123,7 +123,8 @@ def time_batches(rank, world, timer_group):
 LATENCY_SIZES = [4, 256, 4 << 10, 64 << 10]
 
 
-LATENCY_BACKENDS = ("gloo", "hca", "hca num_packs=2")
+# (label, num_packs of the hca group; None: gloo)
+LATENCY_BACKENDS = (("gloo", None), ("hca", 1), ("hca num_packs=2", 2))
 
 
 def time_latency(rank, world, timer_group, device):
@@ -134,11 +135,11 @@ def time_latency(rank, world, timer_group, device):
 
     dev = rank_device(device, rank)
     rows = []
-    for label in LATENCY_BACKENDS:
-        if label == "gloo":
+    for label, num_packs in LATENCY_BACKENDS:
+        if num_packs is None:
             group = timer_group
         else:
-            group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=2 if "=2" in label else 1))
+            group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=num_packs))
         for nbytes in LATENCY_SIZES:
             t = torch.zeros(max(1, nbytes // 4), device=dev)
             for mode, fn in (("blocking", lambda: dist.all_reduce(t, group=group)),
@@ -168,15 +169,15 @@ def print_latency(latency):
     cell = {(r["backend"], r["mode"], r["world_size"], r["size"]): r["time_us"] for r in latency}
     print("\n# small allreduce latency (us per call; async = async_op=True then wait())")
     header = ["ranks", "size"]
-    for b in LATENCY_BACKENDS:
-        header += [f"{b} blocking", f"{b} async"] + ([f"{b} async/blocking"] if b != "gloo" else [])
+    for b, num_packs in LATENCY_BACKENDS:
+        header += [f"{b} blocking", f"{b} async"] + ([f"{b} async/blocking"] if num_packs else [])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for world, size in dict.fromkeys((r["world_size"], r["size"]) for r in latency):
         line = [str(world), f"{size} B"]
-        for b in LATENCY_BACKENDS:
+        for b, num_packs in LATENCY_BACKENDS:
             blocking, async_ = cell[(b, "blocking", world, size)], cell[(b, "async", world, size)]
-            line += [f"{blocking:.1f}", f"{async_:.1f}"] + ([f"{async_ / blocking:.2f}"] if b != "gloo" else [])
+            line += [f"{blocking:.1f}", f"{async_:.1f}"] + ([f"{async_ / blocking:.2f}"] if num_packs else [])
         print("| " + " | ".join(line) + " |")
 
 
