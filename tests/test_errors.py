@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
+from torch_hca.options import shm_chunk_bytes, shm_slots
 from harness import RankFailed, raises, run_ranks
 
 
@@ -133,13 +134,25 @@ def _first_allreduce(rank, world):
     return t.tolist()
 
 
-def test_different_chunk_sizes_across_ranks_fail_at_init():
+# Rank 1's staging differs from rank 0's: in size, or only in how the same bytes are cut
+# into slots (which a size check alone would let through, to corrupt results silently).
+_DEFAULT_CHUNK, _DEFAULT_SLOTS = shm_chunk_bytes({}), shm_slots({})
+STAGING_MISMATCHES = {
+    "chunk size": {"TORCH_HCA_SHM_CHUNK_BYTES": str(_DEFAULT_CHUNK // 2)},
+    "same bytes, other slots": {"TORCH_HCA_SHM_CHUNK_BYTES": str(_DEFAULT_CHUNK // 2),
+                                "TORCH_HCA_SHM_SLOTS": str(_DEFAULT_SLOTS * 2)},
+}
+
+
+@pytest.mark.parametrize("mismatch", STAGING_MISMATCHES)
+def test_different_staging_across_ranks_fails_at_init(mismatch):
     # Rank 1 refuses rank 0's staging segment and publishes why; rank 0, waiting for it to
     # attach, raises that cause at once instead of after the 30 s timeout.
     start = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        run_ranks(_first_allreduce, 2, env_per_rank=[{}, {"TORCH_HCA_SHM_CHUNK_BYTES": "65536"}], pg_timeout_s=30)
+        run_ranks(_first_allreduce, 2, env_per_rank=[{}, STAGING_MISMATCHES[mismatch]], pg_timeout_s=30)
     text = str(failed.value)
-    assert text.count("TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank") == 2, text
+    assert text.count("TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank") == 2, text
+    assert f"{_DEFAULT_SLOTS} slots of {_DEFAULT_CHUNK} bytes per rank" in text, text
     assert "rank 0:" in text and "rank 1 failed to set up the process group" in text, text
     assert time.monotonic() - start < 20

@@ -23,7 +23,8 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
     for (int r = 0; r < world; ++r) new (base + slots_offset_ + r * sizeof(RankSlot)) RankSlot{};
   };
   segment_ = std::make_unique<SharedSegment>(rendezvous, "hca_control", rank, world, bytes,
-                                             static_cast<int>(timeout.count()), initialize,
+                                             std::to_string(bytes) + " bytes", static_cast<int>(timeout.count()),
+                                             initialize,
                                              "every rank must run the same torch_hca build");
   const auto& header = *reinterpret_cast<const ControlHeader*>(segment_->data());
   if (header.magic != kMagic || header.version != kLayoutVersion || header.world != world ||

@@ -41,7 +41,8 @@ char* map(int fd, size_t bytes) {
 }  // namespace
 
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
-                             int timeout_ms, const std::function<void(char*)>& initialize, const std::string& size_hint)
+                             const std::string& layout, int timeout_ms, const std::function<void(char*)>& initialize,
+                             const std::string& mismatch_hint)
     : bytes_(bytes) {
   const std::string host = hostname();
   if (rank == 0) {
@@ -58,7 +59,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     base_ = map(fd, bytes);
     close(fd);
     initialize(base_);
-    rendezvous.set(key, host + "\n" + name);
+    rendezvous.set(key, host + "\n" + name + "\n" + layout);
     // Wait for every other rank to attach, then drop the name.
     try {
       await_setup(rendezvous, [&] { return rendezvous.add(key + "_attached", 0) >= world - 1; }, timeout_ms,
@@ -74,8 +75,9 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
                 "hca shared memory: rank 0 did not publish the " + key + " segment");
     const std::string published = rendezvous.get(key);
-    const size_t cut = published.find('\n');
-    const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1);
+    const size_t cut = published.find('\n'), cut2 = published.find('\n', cut + 1);
+    const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1, cut2 - cut - 1),
+                      owner_layout = published.substr(cut2 + 1);
     if (owner_host != host) {
       throw std::runtime_error("hca: rank 0 runs on host '" + owner_host + "' and rank " + std::to_string(rank) +
                                " on '" + host + "'; the shared-memory transport serves ranks of one node only");
@@ -83,14 +85,13 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     int fd = shm_open(name.c_str(), O_RDWR, 0600);
     if (fd < 0) fail("shm_open " + name, errno);
     struct stat st {};
-    const bool same_size = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
-    if (same_size) base_ = map(fd, bytes);
+    const bool same = owner_layout == layout && fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    if (same) base_ = map(fd, bytes);
     close(fd);
     rendezvous.add(key + "_attached", 1);  // counted either way: rank 0 must not wait for us
-    if (!same_size) {
-      throw std::runtime_error("hca shared memory: rank 0 sized the " + key + " segment to " +
-                               std::to_string(st.st_size) + " bytes and rank " + std::to_string(rank) + " expects " +
-                               std::to_string(bytes) + ": " + size_hint);
+    if (!same) {
+      throw std::runtime_error("hca shared memory: rank 0 laid out the " + key + " segment as " + owner_layout +
+                               " and rank " + std::to_string(rank) + " expects " + layout + ": " + mismatch_hint);
     }
   }
 }

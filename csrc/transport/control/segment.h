@@ -13,10 +13,13 @@ class SharedSegment {
   // Rank 0 creates and sizes the segment, fills it with `initialize`, and
   // publishes its name under `key`; the others attach. Rank 0 unlinks the name
   // as soon as every rank has attached (or on failure), so nothing stays in
-  // /dev/shm even if a rank dies later. A rank that expects another size fails
-  // with `size_hint` in the message (which setting must agree across ranks).
-  SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes, int timeout_ms,
-                const std::function<void(char*)>& initialize, const std::string& size_hint);
+  // /dev/shm even if a rank dies later. `layout` says how the bytes are cut
+  // (e.g. "16 slots of 131072 bytes per rank"); a rank that expects another
+  // layout fails with `mismatch_hint` in the message (which setting must agree
+  // across ranks): two layouts of the same size would otherwise corrupt silently.
+  SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
+                const std::string& layout, int timeout_ms, const std::function<void(char*)>& initialize,
+                const std::string& mismatch_hint);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;

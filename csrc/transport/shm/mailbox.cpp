@@ -88,6 +88,7 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
   const size_t channels = static_cast<size_t>(world_) * static_cast<size_t>(world_);
   segment_ = std::make_unique<SharedSegment>(
       rendezvous, "hca_p2p", rank_, world_, channels * (sizeof(Channel) + ring_bytes_),
+      std::to_string(channels) + " channels of " + std::to_string(ring_bytes_) + " bytes",
       static_cast<int>(timeout.count()),
       [&](char* base) {
         for (size_t c = 0; c < channels; ++c) new (base + c * (sizeof(Channel) + ring_bytes_)) Channel{};

@@ -40,8 +40,10 @@ ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t s
   slot_bytes = (std::max<size_t>(slot_bytes, 4096) + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
   const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(control.world());
   region_ = std::make_unique<SharedSegment>(
-      rendezvous, "hca_shm_staging", control.rank(), control.world(), bytes, static_cast<int>(timeout.count()),
-      [](char*) {}, "TORCH_HCA_SHM_CHUNK_BYTES must be the same on every rank");
+      rendezvous, "hca_shm_staging", control.rank(), control.world(), bytes,
+      std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes per rank",
+      static_cast<int>(timeout.count()), [](char*) {},
+      "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank");
   medium_ = std::make_unique<HostMedium>(control, region_->data(), slot_bytes, slots);
   runner_ = std::make_unique<RoundRunner>(*medium_, control.rank(), control.world());
 }
