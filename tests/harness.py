@@ -16,6 +16,11 @@ class RankFailed(AssertionError):
     pass
 
 
+# Small staging slots, so that a collective of a few hundred KiB runs many rounds; in shared
+# memory the tightest ring (two slots per rank), so that most rounds wait for their slot.
+SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SHM_SLOTS": "2",
+                "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
+
 # For NCCL with several ranks on one GPU (NCCL 2.30+; ranks take the GPUs round-robin).
 NCCL_SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 

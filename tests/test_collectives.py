@@ -8,12 +8,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import run_ranks
+from harness import SMALL_CHUNKS, run_ranks
 from reference import DTYPES, FLOATS, OPS, make_input, mismatch, rank_device, reduce_reference, supported
 
 WORLD_SIZES = [1, 2, 3, 4]
-# Small staging halves, so that the larger cases go through many rounds.
-SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
 CONFIGS = {
     "hierarchical_copy": [dict(num_packs=n) for n in (0, 1, 2, 7, 5000)],
     "reduce_to_one_device": [dict(), dict(reduce_to_device=-1)],  # -1: the last rank

@@ -5,11 +5,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import raises, run_ranks
+from harness import SMALL_CHUNKS, raises, run_ranks
 from reference import DTYPES, make_input, rank_device
 
 WORLD_SIZES = [1, 2, 3, 4]
-SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
 
 
 def _data(rank, case, numel, dtype):
