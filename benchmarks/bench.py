@@ -130,7 +130,9 @@ LATENCY_BACKENDS = (("gloo", None), ("hca", 1), ("hca num_packs=2", 2))
 def time_latency(rank, world, timer_group, device):
     """Small allreduces, blocking and async + wait(), for gloo, hca (default options) and hca with
     num_packs=2: mean microseconds per call over a batch of back-to-back calls (median of 15
-    batches, slowest rank)."""
+    batches, slowest rank). The two modes' batches alternate, so that both see the same moments of
+    a machine whose speed drifts (on a VM, with where the host runs its vCPUs) and their ratio is
+    the async cost, not the drift."""
     import torch_hca
 
     dev = rank_device(device, rank)
@@ -142,23 +144,27 @@ def time_latency(rank, world, timer_group, device):
             group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=num_packs))
         for nbytes in LATENCY_SIZES:
             t = torch.zeros(max(1, nbytes // 4), device=dev)
-            for mode, fn in (("blocking", lambda: dist.all_reduce(t, group=group)),
-                             ("async", lambda: dist.all_reduce(t, group=group, async_op=True).wait())):
-                fn = synchronized(fn, dev)
+            modes = {"blocking": synchronized(lambda: dist.all_reduce(t, group=group), dev),
+                     "async": synchronized(lambda: dist.all_reduce(t, group=group, async_op=True).wait(), dev)}
+            calls = {}
+            for mode, fn in modes.items():
                 # Batches of about 5 ms (the same count on every rank), after a warm-up.
                 estimate = torch.tensor([_timed(lambda: [fn() for _ in range(20)]) / 20], dtype=torch.float64)
                 dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
-                calls = int(min(200, max(5, 5e-3 / estimate.item())))
-                samples = []
-                for _ in range(15):
+                calls[mode] = int(min(200, max(5, 5e-3 / estimate.item())))
+            samples = {mode: [] for mode in modes}
+            for batch in range(15):
+                for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
                     dist.barrier(group=timer_group)
                     start = time.perf_counter()
-                    for _ in range(calls):
-                        fn()
-                    samples.append((time.perf_counter() - start) / calls)
-                median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+                    for _ in range(calls[mode]):
+                        modes[mode]()
+                    samples[mode].append((time.perf_counter() - start) / calls[mode])
+            for mode in modes:
+                median = torch.tensor([statistics.median(samples[mode])], dtype=torch.float64)
                 dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
-                rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=median.item() * 1e6))
+                rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes,
+                                 time_us=median.item() * 1e6))
     return rows
 
 
