@@ -156,3 +156,19 @@ def test_different_staging_across_ranks_fails_at_init(mismatch):
     assert f"{_DEFAULT_SLOTS} slots of {_DEFAULT_CHUNK} bytes per rank" in text, text
     assert "rank 0:" in text and "rank 1 failed to set up the process group" in text, text
     assert time.monotonic() - start < 20
+
+
+def test_too_little_shared_memory_is_named_at_init():
+    # A staging ring four times the size of /dev/shm: tmpfs refuses it at once, before any page is used.
+    stat = os.statvfs("/dev/shm")
+    room = stat.f_blocks * stat.f_frsize
+    if room == 0:
+        pytest.skip("/dev/shm has no size limit here")
+    slots = 4 * room // (2 * _DEFAULT_CHUNK) + 1
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_first_allreduce, 2, env={"TORCH_HCA_SHM_SLOTS": str(slots)}, pg_timeout_s=30)
+    text = str(failed.value)
+    assert "in /dev/shm for the hca_shm_staging segment" in text and "No space left on device" in text, text
+    assert f"{slots} slots of {_DEFAULT_CHUNK} bytes per rank" in text and "TORCH_HCA_SHM_SLOTS" in text, text
+    assert time.monotonic() - start < 20

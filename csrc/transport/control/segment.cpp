@@ -54,7 +54,10 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     if (err) {
       close(fd);
       shm_unlink(name.c_str());
-      fail("reserving " + std::to_string(bytes) + " bytes in /dev/shm", err);
+      fail("reserving " + std::to_string(bytes) + " bytes in /dev/shm for the " + key + " segment (" + layout +
+               "; if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
+               "TORCH_HCA_SHM_CHUNK_BYTES)",
+           err);
     }
     base_ = map(fd, bytes);
     close(fd);
