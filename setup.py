@@ -12,7 +12,8 @@ import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-CPU_FOLDERS = ("plan", "transport", "transport/control", "transport/shm", "transport/nccl", "backend")
+CPU_FOLDERS = ("plan", "transport", "transport/control", "transport/shm", "transport/stream", "transport/nccl",
+               "backend")
 CUDA_FOLDERS = ("transport/cuda", "backend/cuda")
 
 

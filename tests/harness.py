@@ -21,6 +21,9 @@ class RankFailed(AssertionError):
 SMALL_CHUNKS = {"TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SHM_SLOTS": "2",
                 "TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}
 
+# CPU tensors through the stream executor (the one CUDA tensors use), on host threads.
+STREAMS_ENV = {"TORCH_HCA_CPU_EXECUTOR": "streams"}
+
 # For NCCL with several ranks on one GPU (NCCL 2.30+; ranks take the GPUs round-robin).
 NCCL_SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 

@@ -9,7 +9,11 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
-from harness import RankFailed, raises, run_ranks
+from harness import STREAMS_ENV, RankFailed, raises, run_ranks
+
+# Failures must be found by both executors of CPU tensors: the shared-memory one, and the
+# stream executor that CUDA tensors use (its watchdog releases the waiting streams).
+EXECUTORS = [pytest.param({}, id="shm"), pytest.param(STREAMS_ENV, id="streams")]
 
 
 def _shm_entries():
@@ -82,10 +86,11 @@ def _mismatched(rank, world, kind):
     return msg, time.monotonic() - start
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("kind", ["numel", "dtype", "op", "src", "collective"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_mismatched_calls_fail_on_every_rank(world, kind):
-    results = run_ranks(_mismatched, world, kind, pg_timeout_s=20)
+def test_mismatched_calls_fail_on_every_rank(world, kind, executor):
+    results = run_ranks(_mismatched, world, kind, pg_timeout_s=20, env=executor)
     for msg, elapsed in results:
         assert "mismatched calls" in msg, msg
         assert elapsed < 5
@@ -110,9 +115,10 @@ def _never_arrives(rank, world):
     return msg, time.monotonic() - start
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("world", [2, 3])
-def test_killed_rank_is_named_within_the_timeout(world):
-    results = run_ranks(_dies_mid_collective, world, pg_timeout_s=3, allow_missing=(1,))
+def test_killed_rank_is_named_within_the_timeout(world, executor):
+    results = run_ranks(_dies_mid_collective, world, pg_timeout_s=3, allow_missing=(1,), env=executor)
     for rank, result in enumerate(results):
         if rank == 1:
             continue
@@ -122,8 +128,9 @@ def test_killed_rank_is_named_within_the_timeout(world):
         assert elapsed < 3 + 5
 
 
-def test_missing_rank_times_out_with_its_name():
-    msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3)[0]
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_missing_rank_times_out_with_its_name(executor):
+    msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3, env=executor)[0]
     assert "allreduce" in msg and "rank 1" in msg and "Timed out" in msg, msg
     assert 2.5 < elapsed < 3 + 5
 
@@ -172,3 +179,28 @@ def test_too_little_shared_memory_is_named_at_init():
     assert "in /dev/shm for the hca_shm_staging segment" in text and "No space left on device" in text, text
     assert f"{slots} slots of {_DEFAULT_CHUNK} bytes per rank" in text and "TORCH_HCA_SHM_SLOTS" in text, text
     assert time.monotonic() - start < 20
+
+
+def test_unknown_cpu_executor_is_named_at_init():
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_first_allreduce, 1, env={"TORCH_HCA_CPU_EXECUTOR": "gpu"})
+    assert "TORCH_HCA_CPU_EXECUTOR='gpu': expected 'shm' (the default) or 'streams'" in str(failed.value)
+
+
+def _first_allreduce_error(rank, world):
+    start = time.monotonic()
+    msg = raises(lambda: dist.all_reduce(torch.ones(4)), dist.DistBackendError)
+    after = raises(lambda: dist.all_reduce(torch.ones(4)), dist.DistBackendError)
+    return msg, after, time.monotonic() - start
+
+
+def test_different_stream_staging_fails_at_the_first_collective():
+    # The stream executor sets its staging up at the first collective (CUDA: on its device), so a
+    # mismatch surfaces there, on both ranks, and leaves the group unusable. Rank 0's streams are
+    # released by rank 1's poison: its collective must fail too, not pass with rank 1's garbage.
+    envs = [STREAMS_ENV, {**STREAMS_ENV, **STAGING_MISMATCHES["chunk size"]}]
+    for msg, after, elapsed in run_ranks(_first_allreduce_error, 2, env_per_rank=envs, pg_timeout_s=30):
+        assert "collective #1 allreduce" in msg and "setting up its executor" in msg, msg
+        assert "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be" in msg, msg
+        assert "collective #2" in after and "unusable" in after, after
+        assert elapsed < 20

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .options import Options, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
+from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
@@ -44,7 +44,8 @@ def _node_group(store, rank, size, timeout_ms, plan_options):
     """hca's own group over the ranks of one node."""
     return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms, options=plan_options,
                               shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
-                              cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots())
+                              cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
+                              cpu_executor=cpu_executor())
 
 
 def _across_nodes(dist_backend_opts, options, identities, timeout_ms):

@@ -148,3 +148,12 @@ def cuda_chunk_bytes(environ=None) -> int:
 def cuda_slots(environ=None) -> int:
     """CUDA staging slots per rank, a ring: chunk i+1 stages while chunk i reduces (TORCH_HCA_CUDA_SLOTS, default 4)."""
     return _env_int("CUDA_SLOTS", 4, 2, environ)
+
+
+def cpu_executor(environ=None) -> str:
+    """What runs collectives on CPU tensors (TORCH_HCA_CPU_EXECUTOR): "shm" (default, shared
+    memory), or "streams": the executor CUDA tensors use, its device operations run by a host
+    thread per rank, so that its logic (deferred waits, the watchdog, releasing waits after a
+    failure) is tested without a GPU. Checked by the extension when the group is created."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV_PREFIX + "CPU_EXECUTOR", "").strip() or "shm"

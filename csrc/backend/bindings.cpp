@@ -142,13 +142,21 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
-                       int cuda_slots) {
+                       int cuda_slots, const std::string& cpu_executor) {
+             CpuExecutor cpu = CpuExecutor::SharedMemory;
+             if (cpu_executor == "streams") {
+               cpu = CpuExecutor::HostStreams;
+             } else if (cpu_executor != "shm") {
+               throw py::value_error("TORCH_HCA_CPU_EXECUTOR='" + cpu_executor +
+                                    "': expected 'shm' (the default) or 'streams' (the stream executor on host threads)");
+             }
              return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
                                                          options, shm_slot_bytes, shm_slots,
-                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots});
+                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots}, cpu);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
+           py::arg("cpu_executor") = "shm",
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
 

@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "../transport/shm/shm_executor.h"
+#include "../transport/stream/host_streams.h"
 
 namespace hca {
 namespace {
@@ -17,7 +18,7 @@ constexpr size_t kMailboxRingBytes = 64 * 1024;
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
-                                 int shm_slots, cuda::CudaConfig cuda_config)
+                                 int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor)
     : c10d::Backend(rank, size),
       options_(std::move(options)),
       timeout_(timeout),
@@ -31,7 +32,12 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   StoreRendezvous rendezvous(store);
   try {
     control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
-    shm_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
+    if (cpu_executor == CpuExecutor::HostStreams) {
+      cpu_executor_ = make_host_stream_executor(*control_, std::make_shared<StoreRendezvous>(store_),
+                                                RingLayout{shm_slot_bytes, shm_slots});
+    } else {
+      cpu_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
+    }
     mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, kMailboxRingBytes, timeout);
   } catch (const std::exception& e) {
     publish_setup_failure(rendezvous, rank, e.what());
@@ -46,7 +52,7 @@ void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
-  if (device.is_cpu()) return *shm_executor_;
+  if (device.is_cpu()) return *cpu_executor_;
 #ifdef HCA_WITH_CUDA
   if (device.is_cuda()) {
     if (!cuda_executor_) {

@@ -21,12 +21,16 @@
 
 namespace hca {
 
+// What runs collectives on CPU tensors: the shared-memory executor, or the
+// stream executor over host threads (for tests of the logic CUDA shares with it).
+enum class CpuExecutor { SharedMemory, HostStreams };
+
 class ProcessGroupHCA : public c10d::Backend {
  public:
   // `options` must have been validated (validate(options, size) runs again here).
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
-                  cuda::CudaConfig cuda_config);
+                  cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory);
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
@@ -135,7 +139,7 @@ class ProcessGroupHCA : public c10d::Backend {
   cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;
-  std::unique_ptr<Executor> shm_executor_;
+  std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;
   PlanCache plans_;

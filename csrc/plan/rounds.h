@@ -32,6 +32,13 @@ using Round = std::vector<Piece>;
 // Pieces start on this boundary inside a slot (vector loads, no false sharing).
 constexpr size_t kPieceAlign = 64;
 
+// The slot size a medium allocates for a requested one: at least 4 KiB, and a
+// multiple of kPieceAlign so that every slot of a ring starts aligned too.
+inline size_t aligned_slot_bytes(size_t requested) {
+  const size_t bytes = requested < 4096 ? 4096 : requested;
+  return (bytes + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+}
+
 // Cuts the packs into rounds whose pieces fit `slot_bytes`. Every pack gets a
 // piece in each round where it can, so the packs' leaders work side by side.
 std::vector<Round> cut_rounds(const std::vector<PackPlan>& plan, size_t slot_bytes);

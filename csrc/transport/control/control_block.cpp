@@ -61,9 +61,13 @@ void ControlBlock::wait_progress(int peer, ProgressWord word, uint32_t at_least,
   await(peer, [&] { return reached(value.load(std::memory_order_acquire), at_least); }, ctx);
 }
 
+void ControlBlock::check_peer_failed(int peer, const WaitContext& ctx) const {
+  if (slot(peer).failed.load(std::memory_order_acquire)) throw_peer_failed(peer, ctx);
+}
+
 void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
-  if (theirs.failed.load(std::memory_order_acquire)) throw_peer_failed(peer, ctx);
+  check_peer_failed(peer, ctx);
   if (!process_alive(theirs.pid)) throw_dead(ctx, peer, theirs.pid);
   if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
 }

@@ -21,9 +21,9 @@ namespace hca {
 constexpr size_t kSignatureBytes = 240;  // signatures and failure causes, NUL included
 constexpr size_t kCacheLine = 128;       // covers adjacent-line prefetch too
 
-// One progress word per medium: a CPU collective must not see the words a
-// CUDA stream is still writing for an earlier collective.
-enum class ProgressWord : int { Host = 0, Cuda = 1 };
+// One progress word per kind of executor: a shared-memory collective must not
+// see the words a stream (CUDA's) is still writing for an earlier collective.
+enum class ProgressWord : int { Host = 0, Stream = 1 };
 constexpr int kProgressWords = 2;
 
 // Progress values are 32-bit counters compared cyclically, as CUDA stream
@@ -85,6 +85,8 @@ class ControlBlock {
   void wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const;
   // Throws the Failure a wait on `peer` would give now (dead, failed), else returns.
   void check_peer(int peer, const WaitContext& ctx) const;
+  // Throws if `peer` has published a failure (only that: no liveness check).
+  void check_peer_failed(int peer, const WaitContext& ctx) const;
   // torch's monitored barrier: rank 0 waits for every rank's arrival and
   // throws Failure(Timeout) naming the first rank (all, with `wait_all`) that
   // did not arrive in time; the others wait for rank 0 to release them. The

@@ -2,17 +2,12 @@
 
 #include <unistd.h>
 
-#include <atomic>
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "../medium.h"
-#include "../round_runner.h"
+#include "../../plan/rounds.h"
+#include "../stream/stream_executor.h"
 #include "check.h"
 #include "reduce_kernels.h"
 #include "stream_ops.h"
@@ -21,7 +16,6 @@ namespace hca::cuda {
 namespace {
 
 constexpr uint32_t kProtocol = 1;
-constexpr uint32_t kPoison = 1u << 30;  // added to a word: every pending wait on it passes
 
 // What each rank publishes through the store before the ranks map each other.
 struct PeerRecord {
@@ -64,13 +58,13 @@ int device_with_uuid(const char* uuid) {
 
 [[noreturn]] void setup_failure(const std::string& why) { throw Failure(FailureKind::Setup, "CUDA setup", -1, why); }
 
-class DeviceGuard {
+class DeviceGuard final : public StreamDevice::Scope {
  public:
   explicit DeviceGuard(int device) {
     check(cudaGetDevice(&previous_), "cudaGetDevice");
     if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice");
   }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
+  ~DeviceGuard() override { cudaSetDevice(previous_); }
 
  private:
   int previous_ = 0;
@@ -85,6 +79,31 @@ class IpcStaging {
     const size_t bytes = config.slot_bytes * static_cast<size_t>(config.slots);
     check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
     bases_[rank] = static_cast<char*>(own_);
+    try {
+      publish_and_map(rendezvous, rank, world, device, config, timeout);
+    } catch (...) {
+      // No collective has run: nothing of ours is in use, and the peers fail as well.
+      close_peers();
+      cudaFree(own_);
+      throw;
+    }
+  }
+
+  ~IpcStaging() {
+    close_peers();
+    // Freeing memory that peers still map is undefined: wait (bounded) until they closed.
+    try {
+      barrier("hca_cuda/closed", std::chrono::milliseconds(5000));
+    } catch (const std::exception&) {
+    }
+    cudaFree(own_);
+  }
+
+  char* base(int rank) const { return bases_[rank]; }
+
+ private:
+  void publish_and_map(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
+                       std::chrono::milliseconds timeout) {
     PeerRecord mine{};
     mine.protocol = kProtocol;
     mine.pid = static_cast<int32_t>(getpid());
@@ -98,28 +117,23 @@ class IpcStaging {
     rendezvous.set("hca_cuda/" + std::to_string(rank),
                    std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
     for (int peer = 0; peer < world; ++peer) {
-      if (peer != rank) open_peer(peer, mine, device);
+      if (peer != rank) open_peer(peer, mine, device, timeout);
     }
     barrier("hca_cuda/opened", timeout);
   }
 
-  ~IpcStaging() {
+  void close_peers() {
     for (int peer = 0; peer < world_; ++peer) {
       if (peer != rank_ && bases_[peer]) cudaIpcCloseMemHandle(bases_[peer]);
+      if (peer != rank_) bases_[peer] = nullptr;
     }
-    // Freeing memory that peers still map is undefined: wait (bounded) until they closed.
-    try {
-      barrier("hca_cuda/closed", std::chrono::milliseconds(5000));
-    } catch (const std::exception&) {
-    }
-    cudaFree(own_);
   }
 
-  char* base(int rank) const { return bases_[rank]; }
-
- private:
-  void open_peer(int peer, const PeerRecord& mine, int device) {
-    const std::string bytes = rendezvous_.get("hca_cuda/" + std::to_string(peer));
+  void open_peer(int peer, const PeerRecord& mine, int device, std::chrono::milliseconds timeout) {
+    const std::string key = "hca_cuda/" + std::to_string(peer);
+    await_setup(rendezvous_, [&] { return rendezvous_.has(key); }, static_cast<int>(timeout.count()),
+                "rank " + std::to_string(peer) + " did not publish its CUDA staging");
+    const std::string bytes = rendezvous_.get(key);
     PeerRecord theirs{};
     if (bytes.size() != sizeof(theirs)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
     std::memcpy(&theirs, bytes.data(), sizeof(theirs));
@@ -154,14 +168,11 @@ class IpcStaging {
     bases_[peer] = static_cast<char*>(mapped);
   }
 
+  // Until every rank has passed `key` (a peer's published setup failure is raised at once).
   void barrier(const std::string& key, std::chrono::milliseconds timeout) {
     rendezvous_.add(key, 1);
-    const auto deadline = Clock::now() + timeout;
-    while (rendezvous_.add(key, 0) < world_) {
-      if (Clock::now() > deadline) setup_failure("not every rank reached " + key + " within " +
-                                                 std::to_string(timeout.count()) + " ms");
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    await_setup(rendezvous_, [&] { return rendezvous_.add(key, 0) >= world_; }, static_cast<int>(timeout.count()),
+                "not every rank reached " + key);
   }
 
   Rendezvous& rendezvous_;
@@ -182,7 +193,7 @@ class RegisteredControl {
   }
   ~RegisteredControl() { cudaHostUnregister(control_.data()); }
   uint64_t word(int rank) const {
-    const auto* host = &control_.progress(rank, ProgressWord::Cuda);
+    const auto* host = &control_.progress(rank, ProgressWord::Stream);
     return device_base_ + static_cast<uint64_t>(reinterpret_cast<const char*>(host) - control_.data());
   }
 
@@ -191,192 +202,73 @@ class RegisteredControl {
   uint64_t device_base_ = 0;
 };
 
-// Every operation is issued on the collective's stream; nothing waits on the host.
-class CudaMedium final : public Medium {
+// CUDA streams as a StreamDevice: IPC-mapped staging, copies and reduce kernels,
+// and stream memory operations on the registered control block.
+class CudaDevice final : public StreamDevice {
  public:
-  CudaMedium(const IpcStaging& staging, const RegisteredControl& control, const StreamOps& ops, int rank,
-             const CudaConfig& config)
-      : staging_(staging), control_(control), ops_(ops), rank_(rank), config_(config) {}
-  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  // With `device` current.
+  CudaDevice(ControlBlock& control, Rendezvous& rendezvous, int device, const CudaConfig& config,
+             std::chrono::milliseconds timeout)
+      : device_(device),
+        ops_(device),
+        registered_(control),
+        staging_(rendezvous, control.rank(), control.world(), device, config, timeout) {}
 
-  char* staging(int rank, uint64_t round) const override {
-    return staging_.base(rank) + (round % static_cast<uint64_t>(config_.slots)) * config_.slot_bytes;
+  char* staging(int rank) const override { return staging_.base(rank); }
+  void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda(stream)), "cudaMemcpyAsync");
   }
-  size_t slot_bytes() const override { return config_.slot_bytes; }
-  int slots() const override { return config_.slots; }
-  void copy(void* dst, const void* src, size_t bytes) override {
-    if (bytes && dst != src) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_), "cudaMemcpyAsync");
+  void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
+              size_t nsrc, size_t n, void* out, int divisor) override {
+    reduce_async(cuda(stream), dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
-  void reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t n,
-              void* out, int divisor) override {
-    reduce_async(stream_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
+  void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
+    scale_copy_async(cuda(stream), dtype, dst, src, n, divisor);
   }
-  void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    scale_copy_async(stream_, dtype, dst, src, n, divisor);
+  void wait_progress(Stream stream, int rank, uint32_t value) override {
+    ops_.wait_geq(cuda(stream), registered_.word(rank), value);
   }
-  void wait(int peer, uint32_t at_least, const WaitContext&) override {
-    ops_.wait_geq(stream_, control_.word(peer), at_least);
+  void write_progress(Stream stream, int rank, uint32_t value) override {
+    ops_.write(cuda(stream), registered_.word(rank), value);
   }
-  void signal(uint32_t value) override { ops_.write(stream_, control_.word(rank_), value); }
+  Event record(Stream stream) override {
+    cudaEvent_t event = nullptr;
+    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventRecord(event, cuda(stream)), "cudaEventRecord");
+    return event;
+  }
+  // An error (a faulted context) ends the wait too: the event will never pass.
+  bool finished(Event event) override { return cudaEventQuery(static_cast<cudaEvent_t>(event)) != cudaErrorNotReady; }
+  void destroy(Event event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+  void check_issuable(Stream stream) override {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(cuda(stream), &capturing), "cudaStreamIsCapturing");
+    if (capturing != cudaStreamCaptureStatusNone) {
+      throw Failure(FailureKind::Setup, "CUDA", -1, "CUDA graph capture is not supported by hca yet");
+    }
+  }
+  std::unique_ptr<Scope> make_current() override { return std::make_unique<DeviceGuard>(device_); }
 
  private:
-  const IpcStaging& staging_;
-  const RegisteredControl& control_;
-  const StreamOps& ops_;
-  int rank_;
-  CudaConfig config_;
-  cudaStream_t stream_ = nullptr;
-};
+  static cudaStream_t cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
 
-class CudaExecutor final : public Executor {
- public:
-  CudaExecutor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous, CudaConfig config)
-      : control_(control), rendezvous_(std::move(rendezvous)), config_(config) {}
-
-  ~CudaExecutor() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    if (watchdog_.joinable()) watchdog_.join();
-    if (device_ < 0) return;
-    DeviceGuard guard(device_);
-    drain();
-    medium_.reset();
-    runner_.reset();
-    staging_.reset();
-    registered_.reset();
-  }
-
-  void run(const Collective& collective) override {
-    const WaitContext ctx = control_.begin(collective.signature, collective.timeout);
-    auto stream = static_cast<cudaStream_t>(collective.stream);
-    try {
-      if (device_ < 0) set_up(collective.device, collective.timeout);
-      if (collective.device != device_) {
-        throw Failure(FailureKind::Setup, ctx.operation, -1,
-                      "this group's CUDA executor serves cuda:" + std::to_string(device_) + ", not cuda:" +
-                          std::to_string(collective.device) + " (one device per rank and group)");
-      }
-      DeviceGuard guard(device_);
-      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-      check(cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing");
-      if (capturing != cudaStreamCaptureStatusNone) {
-        throw Failure(FailureKind::Setup, ctx.operation, -1, "CUDA graph capture is not supported by hca yet");
-      }
-      control_.start(collective.signature, ctx);
-      medium_->set_stream(stream);
-      runner_->run(collective, ctx);
-      cudaEvent_t done = nullptr;
-      check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
-      check(cudaEventRecord(done, stream), "cudaEventRecord");
-      std::lock_guard<std::mutex> lock(mutex_);
-      pending_.push_back({done, ctx, collective.released});
-    } catch (const Failure& failure) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fail(failure);
-      throw;
-    }
-  }
-
- private:
-  struct Pending {
-    cudaEvent_t done;
-    WaitContext ctx;
-    std::shared_ptr<Released> released;
-  };
-
-  void set_up(int device, std::chrono::milliseconds timeout) {
-    DeviceGuard guard(device);
-    ops_ = std::make_unique<StreamOps>(device);
-    registered_ = std::make_unique<RegisteredControl>(control_);
-    staging_ = std::make_unique<IpcStaging>(*rendezvous_, control_.rank(), control_.world(), device, config_, timeout);
-    medium_ = std::make_unique<CudaMedium>(*staging_, *registered_, *ops_, control_.rank(), config_);
-    runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
-    device_ = device;
-    watchdog_ = std::thread([this] { watch(); });
-  }
-
-  // Publishes the cause and releases every stream that waits on a progress word.
-  // Callers hold mutex_. Every unfinished collective is released: its Work says so in wait().
-  void fail(const Failure& failure) {
-    control_.publish_failure(failure);
-    failed_ = true;
-    for (auto& p : pending_) {
-      if (p.released) p.released->set(failure.what());
-    }
-    poison();
-  }
-
-  void poison() {
-    for (int r = 0; r < control_.world(); ++r) {
-      auto& word = control_.progress(r, ProgressWord::Cuda);
-      word.store(word.load(std::memory_order_relaxed) + kPoison, std::memory_order_release);
-    }
-  }
-
-  // Pops finished collectives; for the oldest unfinished one, checks peers and its deadline.
-  void watch() {
-    DeviceGuard guard(device_);
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!stop_) {
-      wake_.wait_for(lock, std::chrono::milliseconds(2));
-      while (!pending_.empty() && cudaEventQuery(pending_.front().done) == cudaSuccess) {
-        cudaEventDestroy(pending_.front().done);
-        pending_.pop_front();
-      }
-      if (pending_.empty()) continue;
-      if (failed_) {
-        poison();  // a live peer may have overwritten a poisoned word with a smaller value
-        continue;
-      }
-      const WaitContext ctx = pending_.front().ctx;
-      try {
-        for (int peer = 0; peer < control_.world(); ++peer) {
-          if (peer != control_.rank()) control_.check_peer(peer, ctx);
-        }
-      } catch (const Failure& failure) {
-        fail(failure);
-      }
-    }
-  }
-
-  // Waits until every issued collective has finished (poisoning after the timeout).
-  void drain() {
-    const auto give_up = Clock::now() + std::chrono::seconds(30);
-    for (auto& p : pending_) {
-      while (cudaEventQuery(p.done) == cudaErrorNotReady) {
-        if (Clock::now() > give_up) poison();
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      cudaEventDestroy(p.done);
-    }
-    pending_.clear();
-  }
-
-  ControlBlock& control_;
-  std::shared_ptr<Rendezvous> rendezvous_;
-  CudaConfig config_;
-  int device_ = -1;
-  std::unique_ptr<StreamOps> ops_;
-  std::unique_ptr<RegisteredControl> registered_;
-  std::unique_ptr<IpcStaging> staging_;
-  std::unique_ptr<CudaMedium> medium_;
-  std::unique_ptr<RoundRunner> runner_;
-  std::mutex mutex_;
-  std::condition_variable wake_;
-  std::deque<Pending> pending_;
-  bool stop_ = false;
-  std::atomic<bool> failed_{false};
-  std::thread watchdog_;
+  int device_;
+  StreamOps ops_;
+  RegisteredControl registered_;
+  IpcStaging staging_;
 };
 
 }  // namespace
 
 std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                              CudaConfig config) {
-  return std::make_unique<CudaExecutor>(control, std::move(rendezvous), config);
+  config.slot_bytes = aligned_slot_bytes(config.slot_bytes);
+  auto open = [&control, config](Rendezvous& rendezvous, int device, std::chrono::milliseconds timeout) {
+    DeviceGuard guard(device);
+    return std::unique_ptr<StreamDevice>(new CudaDevice(control, rendezvous, device, config, timeout));
+  };
+  return make_stream_executor(control, std::move(rendezvous), std::move(open),
+                              RingLayout{config.slot_bytes, config.slots}, Completion::Stream);
 }
 
 }  // namespace hca::cuda

@@ -1,10 +1,9 @@
-// The executor for CUDA tensors of one node: the same plans and round runner
-// as shared memory, over per-rank staging slots in raw cudaMalloc memory shared
-// through CUDA IPC. Ranks order each other with stream memory operations on
-// their progress words in the node's control block (registered with the GPU):
-// no kernel ever waits for another process, so several ranks may share a GPU.
-// A watchdog thread notices dead or failed peers and expired deadlines, and
-// releases the streams waiting on them by writing their words from the host.
+// The stream executor (stream/stream_executor.h) over CUDA: per-rank staging
+// slots in raw cudaMalloc memory shared through CUDA IPC, copies and reduce
+// kernels on the collective's stream, and ranks ordered by stream memory
+// operations on their progress words in the node's control block (registered
+// with the GPU): no kernel ever waits for another process, so several ranks may
+// share a GPU.
 #pragma once
 #include <chrono>
 #include <memory>

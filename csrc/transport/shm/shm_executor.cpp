@@ -1,6 +1,5 @@
 #include "shm_executor.h"
 
-#include <algorithm>
 #include <cstring>
 
 #include "kernels.h"
@@ -37,7 +36,7 @@ void HostMedium::signal(uint32_t value) {
 ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t slot_bytes, int slots,
                          std::chrono::milliseconds timeout)
     : control_(control) {
-  slot_bytes = (std::max<size_t>(slot_bytes, 4096) + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+  slot_bytes = aligned_slot_bytes(slot_bytes);
   const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(control.world());
   region_ = std::make_unique<SharedSegment>(
       rendezvous, "hca_shm_staging", control.rank(), control.world(), bytes,

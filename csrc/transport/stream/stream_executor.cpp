@@ -1,0 +1,251 @@
+#include "stream_executor.h"
+
+#include <condition_variable>
+#include <deque>
+#include <string>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "../medium.h"
+#include "../round_runner.h"
+
+namespace hca {
+namespace {
+
+constexpr uint32_t kPoison = 1u << 30;  // added to a word: every pending wait on it passes
+
+// Every operation is issued on the current collective's stream.
+class StreamMedium final : public Medium {
+ public:
+  StreamMedium(StreamDevice& device, int rank, int world, RingLayout ring)
+      : device_(device), rank_(rank), ring_(ring), awaited_(world, 0) {}
+  void set_stream(StreamDevice::Stream stream) { stream_ = stream; }
+  // The highest value issued waits expect of each peer's word.
+  const std::vector<uint32_t>& awaited() const { return awaited_; }
+
+  char* staging(int rank, uint64_t round) const override {
+    return device_.staging(rank) + (round % static_cast<uint64_t>(ring_.slots)) * ring_.slot_bytes;
+  }
+  size_t slot_bytes() const override { return ring_.slot_bytes; }
+  int slots() const override { return ring_.slots; }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    if (bytes && dst != src) device_.copy(stream_, dst, src, bytes);
+  }
+  void reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t n,
+              void* out, int divisor) override {
+    device_.reduce(stream_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
+  }
+  void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) override {
+    device_.scale_copy(stream_, dtype, dst, src, n, divisor);
+  }
+  void wait(int peer, uint32_t at_least, const WaitContext&) override {
+    device_.wait_progress(stream_, peer, at_least);
+    awaited_[peer] = at_least;
+  }
+  void signal(uint32_t value) override { device_.write_progress(stream_, rank_, value); }
+
+ private:
+  StreamDevice& device_;
+  int rank_;
+  RingLayout ring_;
+  std::vector<uint32_t> awaited_;
+  StreamDevice::Stream stream_ = nullptr;
+};
+
+class StreamExecutor final : public Executor {
+ public:
+  StreamExecutor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous, OpenStreamDevice open,
+                 RingLayout ring, Completion completion)
+      : control_(control),
+        rendezvous_(std::move(rendezvous)),
+        open_(std::move(open)),
+        ring_(ring),
+        completion_(completion) {}
+
+  ~StreamExecutor() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    if (!device_) return;
+    auto scope = device_->make_current();
+    drain();
+    runner_.reset();
+    medium_.reset();
+    device_.reset();
+  }
+
+  void run(const Collective& collective) override {
+    const WaitContext ctx = control_.begin(collective.signature, collective.timeout);
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    try {
+      control_.start(collective.signature, ctx);
+      if (!device_) set_up(collective.device, ctx);
+      if (collective.device != device_index_) {
+        throw Failure(FailureKind::Setup, ctx.operation, -1,
+                      "this group's stream executor serves device " + std::to_string(device_index_) +
+                          ", not device " + std::to_string(collective.device) + " (one device per rank and group)");
+      }
+      auto scope = device_->make_current();
+      device_->check_issuable(collective.stream);
+      medium_->set_stream(collective.stream);
+      runner_->run(collective, ctx);
+      StreamDevice::Event done = device_->record(collective.stream);
+      lock.lock();
+      pending_.push_back({done, ctx, collective.released, medium_->awaited()});
+      if (completion_ == Completion::Host) wait_finished(lock, done, ctx);
+    } catch (const Failure& failure) {
+      if (!lock.owns_lock()) lock.lock();
+      fail(failure);
+      throw;
+    }
+  }
+
+ private:
+  struct Pending {
+    StreamDevice::Event done;
+    WaitContext ctx;
+    std::shared_ptr<Released> released;
+    std::vector<uint32_t> awaited;  // what its waits expect of each peer's word
+  };
+
+  void set_up(int device_index, const WaitContext& ctx) {
+    try {
+      device_ = open_(*rendezvous_, device_index, ctx.timeout);
+    } catch (const std::exception& e) {
+      publish_setup_failure(*rendezvous_, control_.rank(), e.what());
+      throw Failure(FailureKind::Setup, ctx.operation, -1, std::string("setting up its executor: ") + e.what());
+    }
+    device_index_ = device_index;
+    medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), ring_);
+    runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  // Completion::Host: until `done` has passed, or the streams were released
+  // after a failure, which is thrown.
+  void wait_finished(std::unique_lock<std::mutex>& lock, StreamDevice::Event done, const WaitContext& ctx) {
+    // The newest pending entry is `done` until the watchdog pops (and destroys) it.
+    auto pending = [&] { return !pending_.empty() && pending_.back().done == done; };
+    while (!failed_ && pending() && !device_->finished(done)) finished_.wait_for(lock, std::chrono::microseconds(20));
+    if (!failed_) confirm_finished(ctx);
+    if (failed_) throw *failure_;
+  }
+
+  // A collective that passed may have been released by a failing peer's poison
+  // (published before it poisons) rather than finished: then it counts as failed.
+  void confirm_finished(const WaitContext& ctx) {
+    try {
+      for (int peer = 0; peer < control_.world(); ++peer) {
+        if (peer != control_.rank()) control_.check_peer_failed(peer, ctx);
+      }
+    } catch (const Failure& failure) {
+      fail(failure);
+    }
+  }
+
+  // Publishes the cause and releases every stream that waits on a progress word.
+  // Callers hold mutex_. Every unfinished collective is released: its Work says so in wait().
+  void fail(const Failure& failure) {
+    control_.publish_failure(failure);
+    if (!failure_) failure_ = std::make_unique<Failure>(failure);
+    failed_ = true;
+    for (auto& p : pending_) {
+      if (p.released) p.released->set(failure.what());
+    }
+    poison();
+    finished_.notify_all();
+  }
+
+  void poison() {
+    for (int r = 0; r < control_.world(); ++r) {
+      auto& word = control_.progress(r, ProgressWord::Stream);
+      word.store(word.load(std::memory_order_relaxed) + kPoison, std::memory_order_release);
+    }
+  }
+
+  // Pops finished collectives; for the oldest unfinished one, checks peers and its deadline.
+  void watch() {
+    auto scope = device_->make_current();
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(2));
+      while (!pending_.empty() && device_->finished(pending_.front().done)) {
+        if (!failed_) confirm_finished(pending_.front().ctx);
+        device_->destroy(pending_.front().done);
+        pending_.pop_front();
+      }
+      if (pending_.empty()) continue;
+      if (failed_) {
+        poison();  // a live peer may have overwritten a poisoned word with a smaller value
+        continue;
+      }
+      try {
+        check_peers(pending_.front());
+      } catch (const Failure& failure) {
+        fail(failure);
+      }
+    }
+  }
+
+  // Throws what keeps `oldest` from finishing: a dead or failed peer, or its
+  // deadline (blaming the first peer whose word is behind what its waits expect).
+  void check_peers(const Pending& oldest) const {
+    WaitContext no_deadline = oldest.ctx;
+    no_deadline.deadline = Clock::time_point::max();
+    for (int peer = 0; peer < control_.world(); ++peer) {
+      if (peer != control_.rank()) control_.check_peer(peer, no_deadline);
+    }
+    if (Clock::now() <= oldest.ctx.deadline) return;
+    for (int peer = 0; peer < control_.world(); ++peer) {
+      const uint32_t word = control_.progress(peer, ProgressWord::Stream).load(std::memory_order_acquire);
+      if (peer != control_.rank() && !reached(word, oldest.awaited[peer])) throw_timeout(oldest.ctx, peer);
+    }
+    throw Failure(FailureKind::Timeout, oldest.ctx.operation, -1,
+                  "Timed out after " + std::to_string(oldest.ctx.timeout.count()) +
+                      " ms: this rank's stream did not finish the collective, though every peer got as far as "
+                      "it waits for (work queued before it on the stream?)");
+  }
+
+  // Waits until every issued collective has finished (poisoning after the timeout).
+  void drain() {
+    const auto give_up = Clock::now() + std::chrono::seconds(30);
+    for (auto& p : pending_) {
+      while (!device_->finished(p.done)) {
+        if (Clock::now() > give_up) poison();
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      device_->destroy(p.done);
+    }
+    pending_.clear();
+  }
+
+  ControlBlock& control_;
+  std::shared_ptr<Rendezvous> rendezvous_;
+  OpenStreamDevice open_;
+  RingLayout ring_;
+  Completion completion_;
+  int device_index_ = -1;
+  std::unique_ptr<StreamDevice> device_;
+  std::unique_ptr<StreamMedium> medium_;
+  std::unique_ptr<RoundRunner> runner_;
+  std::mutex mutex_;
+  std::condition_variable wake_, finished_;
+  std::deque<Pending> pending_;
+  bool stop_ = false;
+  bool failed_ = false;
+  std::unique_ptr<Failure> failure_;
+  std::thread watchdog_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
+                                               OpenStreamDevice open, RingLayout ring, Completion completion) {
+  return std::make_unique<StreamExecutor>(control, std::move(rendezvous), std::move(open), ring, completion);
+}
+
+}  // namespace hca
