@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import run_ranks
+from harness import raises, run_ranks
+from torch_hca.options import cuda_chunk_bytes
 from node_cases import fsdp2_training
 from reference import make_input, mismatch, rank_device, reduce_reference
 
@@ -153,3 +154,20 @@ def test_killed_rank_releases_the_streams_and_is_named(world):
         msg, elapsed = result
         assert "rank 1" in msg and ("died" in msg or "failed" in msg), msg
         assert elapsed < 5 + 5
+
+
+def _first_collective_errors(rank, world):
+    t = torch.ones(4, device=rank_device("cuda", rank))
+    first = raises(lambda: (dist.all_reduce(t), torch.cuda.synchronize()), dist.DistBackendError)
+    after = raises(lambda: dist.all_reduce(t), dist.DistBackendError)
+    return first, after
+
+
+@needs_cuda
+def test_different_cuda_staging_fails_at_the_first_collective():
+    # The IPC staging is set up at the first CUDA collective: both ranks raise there, naming the
+    # variables, and the group is unusable afterwards (no hang, no collective on mismatched slots).
+    envs = [{}, {"TORCH_HCA_CUDA_CHUNK_BYTES": str(cuda_chunk_bytes({}) // 2)}]
+    for first, after in run_ranks(_first_collective_errors, 2, env_per_rank=envs, pg_timeout_s=30):
+        assert "collective #1 allreduce" in first and "TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS" in first, first
+        assert "unusable" in after, after

@@ -129,6 +129,38 @@ def test_killed_rank_is_named_within_the_timeout(world, executor):
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
+def _stuck_mid_collective(rank, world):
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        dist.all_reduce(torch.ones(1 << 22), async_op=True)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, posted the call, never progresses
+    start = time.monotonic()
+    msg = raises(lambda: [dist.all_reduce(torch.ones(1 << 22)) for _ in range(50)], dist.DistBackendError)
+    elapsed = time.monotonic() - start
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # another rank was first
+    return msg, elapsed
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_stuck_rank_times_out_with_its_name(world, executor):
+    # Rank 1 joins the collective, then stops: alive and healthy as far as liveness checks can
+    # tell, so only the deadline finds it. The stream executor's watchdog names the rank whose
+    # progress word is behind what this rank's streams wait for.
+    results = run_ranks(_stuck_mid_collective, world, pg_timeout_s=3, allow_missing=(1,), env=executor)
+    for rank, result in enumerate(results):
+        if rank == 1:
+            continue
+        msg, elapsed = result
+        assert "allreduce" in msg and "Timed out after 3000 ms waiting for rank 1" in msg, msg
+        assert 2.5 < elapsed < 3 + 5
+
+
 def test_missing_rank_times_out_with_its_name(executor):
     msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3, env=executor)[0]
     assert "allreduce" in msg and "rank 1" in msg and "Timed out" in msg, msg

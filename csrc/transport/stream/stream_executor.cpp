@@ -192,7 +192,9 @@ class StreamExecutor final : public Executor {
   }
 
   // Throws what keeps `oldest` from finishing: a dead or failed peer, or its
-  // deadline (blaming the first peer whose word is behind what its waits expect).
+  // deadline. Then it blames, of the peers whose words are behind what its waits
+  // expect, the one furthest behind: peers blocked by a stuck rank get as far as
+  // they can without it, so the stuck rank is the one that progressed least.
   void check_peers(const Pending& oldest) const {
     WaitContext no_deadline = oldest.ctx;
     no_deadline.deadline = Clock::time_point::max();
@@ -200,10 +202,17 @@ class StreamExecutor final : public Executor {
       if (peer != control_.rank()) control_.check_peer(peer, no_deadline);
     }
     if (Clock::now() <= oldest.ctx.deadline) return;
+    int behind = -1;
+    uint32_t least = 0;
     for (int peer = 0; peer < control_.world(); ++peer) {
       const uint32_t word = control_.progress(peer, ProgressWord::Stream).load(std::memory_order_acquire);
-      if (peer != control_.rank() && !reached(word, oldest.awaited[peer])) throw_timeout(oldest.ctx, peer);
+      if (peer == control_.rank() || reached(word, oldest.awaited[peer])) continue;
+      if (behind < 0 || !reached(word, least)) {
+        behind = peer;
+        least = word;
+      }
     }
+    if (behind >= 0) throw_timeout(oldest.ctx, behind);
     throw Failure(FailureKind::Timeout, oldest.ctx.operation, -1,
                   "Timed out after " + std::to_string(oldest.ctx.timeout.count()) +
                       " ms: this rank's stream did not finish the collective, though every peer got as far as "
