@@ -33,16 +33,21 @@ void HostMedium::signal(uint32_t value) {
   control_.progress(control_.rank(), ProgressWord::Host).store(value, std::memory_order_release);
 }
 
+std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std::string& key, int rank, int world,
+                                               size_t slot_bytes, int slots, std::chrono::milliseconds timeout) {
+  const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(world);
+  return std::make_unique<SharedSegment>(
+      rendezvous, key, rank, world, bytes,
+      std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes per rank",
+      static_cast<int>(timeout.count()), [](char*) {},
+      "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank");
+}
+
 ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t slot_bytes, int slots,
                          std::chrono::milliseconds timeout)
     : control_(control) {
   slot_bytes = aligned_slot_bytes(slot_bytes);
-  const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(control.world());
-  region_ = std::make_unique<SharedSegment>(
-      rendezvous, "hca_shm_staging", control.rank(), control.world(), bytes,
-      std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes per rank",
-      static_cast<int>(timeout.count()), [](char*) {},
-      "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank");
+  region_ = staging_segment(rendezvous, "hca_shm_staging", control.rank(), control.world(), slot_bytes, slots, timeout);
   medium_ = std::make_unique<HostMedium>(control, region_->data(), slot_bytes, slots);
   runner_ = std::make_unique<RoundRunner>(*medium_, control.rank(), control.world());
 }

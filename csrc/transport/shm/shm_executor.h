@@ -13,6 +13,12 @@
 
 namespace hca::shm {
 
+// Every rank's ring of `slots` staging slots of `slot_bytes` in one segment
+// published under `key`, rank r's ring first at r * slots * slot_bytes. Ranks
+// whose TORCH_HCA_SHM_CHUNK_BYTES / TORCH_HCA_SHM_SLOTS differ fail, naming both.
+std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std::string& key, int rank, int world,
+                                               size_t slot_bytes, int slots, std::chrono::milliseconds timeout);
+
 // Every operation runs at once on the calling thread.
 class HostMedium final : public Medium {
  public:

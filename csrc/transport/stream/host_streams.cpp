@@ -8,12 +8,12 @@
 #include <deque>
 #include <functional>
 #include <mutex>
-#include <string>
 #include <thread>
 #include <vector>
 
 #include "../../plan/rounds.h"
 #include "../shm/kernels.h"
+#include "../shm/shm_executor.h"
 
 namespace hca {
 namespace {
@@ -23,11 +23,8 @@ class HostStreams final : public StreamDevice {
   HostStreams(ControlBlock& control, Rendezvous& rendezvous, RingLayout ring, std::chrono::milliseconds timeout)
       : control_(control),
         ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
-        staging_(rendezvous, "hca_stream_staging", control.rank(), control.world(),
-                 ring_bytes_ * static_cast<size_t>(control.world()),
-                 std::to_string(ring.slots) + " slots of " + std::to_string(ring.slot_bytes) + " bytes per rank",
-                 static_cast<int>(timeout.count()), [](char*) {},
-                 "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank"),
+        staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
+                                      ring.slot_bytes, ring.slots, timeout)),
         worker_([this] { work(); }) {}
 
   ~HostStreams() override {
@@ -39,7 +36,7 @@ class HostStreams final : public StreamDevice {
     worker_.join();
   }
 
-  char* staging(int rank) const override { return staging_.data() + static_cast<size_t>(rank) * ring_bytes_; }
+  char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
   void copy(Stream, void* dst, const void* src, size_t bytes) override {
     issue([=] { std::memcpy(dst, src, bytes); });
   }
@@ -104,7 +101,7 @@ class HostStreams final : public StreamDevice {
 
   ControlBlock& control_;
   size_t ring_bytes_;
-  SharedSegment staging_;
+  std::unique_ptr<SharedSegment> staging_;
   std::mutex mutex_;
   std::condition_variable queued_;
   std::deque<std::function<void()>> queue_;
