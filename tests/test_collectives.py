@@ -224,6 +224,33 @@ def test_async_calls_waited_in_any_order(world, device):
     assert run_ranks(_async_order, world, device) == [[]] * world
 
 
+def _unwaited_call(rank, world, device):
+    """An async call nobody waits on still runs, also right after calls whose waiters ran them
+    (then the worker is not woken for a new call, and must find it by itself)."""
+    dev = rank_device(device, rank)
+    inputs = [make_input(92, r, 1000, torch.float64, "SUM") for r in range(world)]
+    errors = []
+    for waited_before in (0, 3):
+        for _ in range(waited_before):
+            scratch = inputs[rank].to(dev, copy=True)
+            dist.all_reduce(scratch, async_op=True).wait()
+        t = inputs[rank].to(dev, copy=True)
+        work = dist.all_reduce(t, async_op=True)
+        deadline = time.monotonic() + 10
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not work.is_completed():
+            errors.append(f"after {waited_before} waited calls: not completed in 10 s without wait()")
+        work.wait()
+        errors.append(mismatch(f"after {waited_before} waited calls", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_an_async_call_nobody_waits_on_still_runs(world, device):
+    assert run_ranks(_unwaited_call, world, device) == [[]] * world
+
+
 def _wait_with_a_timeout(rank, world, device):
     """Work.wait(timeout) on an async call whose last rank comes late gives control back with an
     error instead of running the call to its end; a plain wait() then completes it."""

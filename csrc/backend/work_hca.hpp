@@ -63,7 +63,9 @@ class WorkHCA : public c10d::Work {
 
  private:
   friend class WorkQueue;
+  friend class WorkQueueState;
   std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
+  std::chrono::steady_clock::time_point queued_at_;
   std::vector<at::Tensor> outputs_;
   std::function<void()> body_;
   std::shared_ptr<DeviceCompletion> device_;

@@ -1,0 +1,95 @@
+"""What async_op=True costs over a blocking call, with a control that shows the noise.
+
+    python benchmarks/async_cost.py [--world-sizes 1,2,3,4] [--out FILE.json]
+
+For each world size and size (4 B, 4 KiB, 64 KiB), an hca group (default options) times batches
+of 100 float32 allreduces in five modes, the batches alternating so that all see the same moments
+of the machine (median of 21 batches, slowest rank, us per call):
+  blocking         dist.all_reduce(t)
+  async            dist.all_reduce(t, async_op=True).wait()
+  blocking again   the first mode again: blocking again / blocking is the ratio's noise
+  sleep            time.sleep(300 us) alone
+  overlap          an async call, time.sleep(300 us), then wait(): overlap - sleep is what the
+                   call adds when the caller does something else meanwhile (0 if fully hidden)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SIZES = (4, 4 << 10, 64 << 10)
+BATCHES, CALLS = 21, 100
+
+
+def sleep_then_wait(work):
+    time.sleep(300e-6)
+    work.wait()
+
+
+def worker(rank, world, init, out):
+    import torch_hca  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    timer_group = dist.group.WORLD
+    hca = dist.new_group(backend="hca")
+    rows = []
+    for nbytes in SIZES:
+        t = torch.zeros(max(1, nbytes // 4))
+        modes = {"blocking": lambda: dist.all_reduce(t, group=hca),
+                 "async": lambda: dist.all_reduce(t, group=hca, async_op=True).wait(),
+                 "blocking again": lambda: dist.all_reduce(t, group=hca),
+                 "sleep": lambda: time.sleep(300e-6),
+                 "overlap": lambda: sleep_then_wait(dist.all_reduce(t, group=hca, async_op=True))}
+        for fn in modes.values():
+            for _ in range(CALLS):
+                fn()
+        samples = {mode: [] for mode in modes}
+        for batch in range(BATCHES):
+            for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
+                dist.barrier(group=timer_group)
+                start = time.perf_counter()
+                for _ in range(CALLS):
+                    modes[mode]()
+                samples[mode].append((time.perf_counter() - start) / CALLS * 1e6)
+        medians = torch.tensor([statistics.median(samples[mode]) for mode in modes], dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=timer_group)
+        rows.append(dict(world_size=world, size=nbytes, **dict(zip(modes, medians.tolist()))))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", default="1,2,3,4")
+    parser.add_argument("--out", help="write the rows as JSON here too")
+    args = parser.parse_args()
+    rows = []
+    for world in (int(w) for w in args.world_sizes.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", f"{tmp}/rows.json"), nprocs=world)
+            with open(f"{tmp}/rows.json") as f:
+                rows += json.load(f)
+    print("| ranks | size | blocking | async | blocking again | async / blocking | again / blocking "
+          "| overlap - sleep |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['world_size']} | {r['size']} B | {r['blocking']:.1f} | {r['async']:.1f} | "
+              f"{r['blocking again']:.1f} | {r['async'] / r['blocking']:.2f} | "
+              f"{r['blocking again'] / r['blocking']:.2f} | {r['overlap'] - r['sleep']:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
