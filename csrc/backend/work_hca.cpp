@@ -8,7 +8,8 @@ namespace {
 // How often an idle worker looks at its queue unasked while async calls keep coming
 // (see WorkQueueState::submit), and how long without one before it sleeps until notified.
 // Each look costs a wake-up, which with more ranks than cores delays the ranks:
-// every 200 us made 3 ranks on 2 cores 1.3-1.7x slower, every 1 ms 0.96-1.14x.
+// every 200 us made async calls at 3 ranks on 2 cores 1.25-1.7x slower than
+// blocking ones, every 1 ms 0.96-1.14x (benchmarks/async_cost.py).
 constexpr std::chrono::milliseconds kWatchTick{1};
 constexpr std::chrono::milliseconds kWatchBeforeSleeping{5};
 // A waiter that comes this soon after its call was queued waits at once (e.g.
