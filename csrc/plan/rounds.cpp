@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <utility>
 
 namespace hca {
 namespace {
@@ -86,15 +87,16 @@ std::string roles_text(const std::vector<PackPlan>& plan, int world) {
     for (size_t p = 0; p < plan.size(); ++p) {
       const Role role = role_of(plan[p].schedule, rank);
       out << sep << "pack " << plan[p].pack.index << " (";
-      const char* part = "";
-      if (role.stages) out << (part = "stages");
-      if (role.fused_step >= 0) out << (*part ? ", " : "") << (part = "reads its input at step ") << role.fused_step + 1;
+      bool any = false;  // parts written so far, comma-separated
+      const auto part = [&](const char* text) -> std::ostream& { return out << (std::exchange(any, true) ? ", " : "") << text; };
+      if (role.stages) part("stages");
+      if (role.fused_step >= 0) part("reads its input at step ") << role.fused_step + 1;
       if (role.result) {
-        out << (*part ? ", " : "") << (part = "result");
+        part("result");
         if (role.last_in >= 0) out << " at step " << role.last_in + 1 << (role.direct ? " (copied straight out)" : "");
         else out << " = its input";
       }
-      if (!*part) out << "idle";
+      if (!any) out << "idle";
       out << ")";
       sep = ", ";
     }
