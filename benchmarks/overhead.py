@@ -3,8 +3,9 @@
     python benchmarks/overhead.py [--world-size 2] [--calls 20000]
 
 Rows, each the mean microseconds per call over `calls` calls after a warm-up (rank 0):
-  fake backend     dist.all_reduce on torch's fake backend, which does nothing: a reference (it
-                   is not a floor: on this VM it measured slower than hca)
+  fake backend     dist.all_reduce on torch's fake backend, which does nothing: what torch's
+                   wrapper costs around a backend (3.8-4.4 us in three launches on 2026-11-23;
+                   one earlier launch measured it slower than hca, so read it beside hca's row)
   hca              dist.all_reduce on an hca group (what users call)
   hca backend      the hca backend's own allreduce([t], opts).wait(), without torch's wrapper:
                    "hca" minus this is torch's share (Python wrapper, dispatcher, Work object)
