@@ -46,9 +46,9 @@ class WorkQueueState {
   std::condition_variable ready_;
   std::deque<c10::intrusive_ptr<WorkHCA>> queue_;
   size_t unfinished_ = 0;  // queued or running after being queued
-  uint64_t queued_total_ = 0;  // every Work ever queued: tells a watching worker calls still come
-  bool worker_busy_ = false;  // the worker took a Work and has not finished it
-  const WorkHCA* worker_work_ = nullptr;  // that Work
+  // When the last Work was queued: a watching worker sleeps once that is long ago.
+  std::chrono::steady_clock::time_point last_queued_at_;
+  const WorkHCA* worker_work_ = nullptr;  // the Work the worker took and has not finished
   bool worker_work_waited_promptly_ = false;  // its waiter came within kPromptWait
   enum class Idle { No, Watching, Sleeping } worker_idle_ = Idle::No;
   // Whether the last queued Work's waiter came within kPromptWait: it ran the Work
@@ -118,10 +118,9 @@ void WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_in
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!run_inline || unfinished_ > 0) {
-      work->queued_at_ = std::chrono::steady_clock::now();
+      work->queued_at_ = last_queued_at_ = std::chrono::steady_clock::now();
       queue_.push_back(work);
       ++unfinished_;
-      ++queued_total_;
       // A watching worker is not woken while waiters come promptly and run their
       // calls: it would compete with them (and the other ranks) for the cores only
       // to find the queue empty; it still looks within kWatchTick, for a call
@@ -144,13 +143,14 @@ bool WorkQueueState::run_if_next(const WorkHCA& work) {
   std::unique_lock<std::mutex> running;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const bool prompt = std::chrono::steady_clock::now() - work.queued_at_ < kPromptWait;
-    if (worker_busy_ || queue_.empty() || queue_.front().get() != &work) {
-      if (worker_work_ == &work) worker_work_waited_promptly_ = prompt;
+    // Read only for a Work that was queued (a blocking call's wait() passes here too).
+    const auto prompt = [&] { return std::chrono::steady_clock::now() - work.queued_at_ < kPromptWait; };
+    if (worker_work_ || queue_.empty() || queue_.front().get() != &work) {
+      if (worker_work_ == &work) worker_work_waited_promptly_ = prompt();
       return false;
     }
     taken = take_front();
-    waiters_come_promptly_ = prompt;
+    waiters_come_promptly_ = prompt();
     // Everything before it has finished; taken under mutex_, so the worker's next Work waits for it.
     running = std::unique_lock<std::mutex>(running_);
   }
@@ -175,14 +175,12 @@ void WorkQueueState::loop() {
     auto work = take_front();
     worker_work_ = work.get();
     worker_work_waited_promptly_ = false;
-    worker_busy_ = true;
     lock.unlock();
     {
       std::lock_guard<std::mutex> running(running_);
       work->execute();
     }
     lock.lock();
-    worker_busy_ = false;
     worker_work_ = nullptr;
     waiters_come_promptly_ = worker_work_waited_promptly_;
     --unfinished_;
@@ -190,12 +188,10 @@ void WorkQueueState::loop() {
 }
 
 void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {
-  uint64_t seen = queued_total_;
-  auto quiet_since = std::chrono::steady_clock::now();
   while (!stop_ && queue_.empty()) {
     // Each wake-up (a notify, the tick, a spurious one) returns here: the state
     // must be set again, or a submit would take a waiting worker for a busy one.
-    if (std::chrono::steady_clock::now() - quiet_since < kWatchBeforeSleeping) {
+    if (std::chrono::steady_clock::now() - last_queued_at_ < kWatchBeforeSleeping) {
       worker_idle_ = Idle::Watching;
       ready_.wait_for(lock, kWatchTick);
     } else {
@@ -204,10 +200,6 @@ void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {
       ready_.wait(lock);
     }
     worker_idle_ = Idle::No;
-    if (queued_total_ != seen) {
-      seen = queued_total_;
-      quiet_since = std::chrono::steady_clock::now();
-    }
   }
 }
 
