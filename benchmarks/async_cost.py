@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import alternating_medians  # noqa: E402
 
 SIZES = (4, 4 << 10, 64 << 10)
 BATCHES, CALLS = 21, 100
@@ -51,17 +55,8 @@ def worker(rank, world, init, out):
         for fn in modes.values():
             for _ in range(CALLS):
                 fn()
-        samples = {mode: [] for mode in modes}
-        for batch in range(BATCHES):
-            for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
-                dist.barrier(group=timer_group)
-                start = time.perf_counter()
-                for _ in range(CALLS):
-                    modes[mode]()
-                samples[mode].append((time.perf_counter() - start) / CALLS * 1e6)
-        medians = torch.tensor([statistics.median(samples[mode]) for mode in modes], dtype=torch.float64)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=timer_group)
-        rows.append(dict(world_size=world, size=nbytes, **dict(zip(modes, medians.tolist()))))
+        medians = alternating_medians(modes, dict.fromkeys(modes, CALLS), timer_group, BATCHES)
+        rows.append(dict(world_size=world, size=nbytes, **{mode: s * 1e6 for mode, s in medians.items()}))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)

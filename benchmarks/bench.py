@@ -152,20 +152,26 @@ def time_latency(rank, world, timer_group, device):
                 estimate = torch.tensor([_timed(lambda: [fn() for _ in range(20)]) / 20], dtype=torch.float64)
                 dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
                 calls[mode] = int(min(200, max(5, 5e-3 / estimate.item())))
-            samples = {mode: [] for mode in modes}
-            for batch in range(15):
-                for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
-                    dist.barrier(group=timer_group)
-                    start = time.perf_counter()
-                    for _ in range(calls[mode]):
-                        modes[mode]()
-                    samples[mode].append((time.perf_counter() - start) / calls[mode])
-            for mode in modes:
-                median = torch.tensor([statistics.median(samples[mode])], dtype=torch.float64)
-                dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
-                rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes,
-                                 time_us=median.item() * 1e6))
+            for mode, seconds in alternating_medians(modes, calls, timer_group).items():
+                rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=seconds * 1e6))
     return rows
+
+
+def alternating_medians(modes, calls, timer_group, batches=15):
+    """Seconds per call of each mode (name -> function): the median of `batches` batches of
+    calls[mode] back-to-back calls, slowest rank. The modes' batches alternate, in order and then
+    in reverse, so that all see the same moments of a machine whose speed drifts."""
+    samples = {mode: [] for mode in modes}
+    for batch in range(batches):
+        for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
+            dist.barrier(group=timer_group)
+            start = time.perf_counter()
+            for _ in range(calls[mode]):
+                modes[mode]()
+            samples[mode].append((time.perf_counter() - start) / calls[mode])
+    medians = torch.tensor([statistics.median(samples[mode]) for mode in modes], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=timer_group)
+    return dict(zip(modes, medians.tolist()))
 
 
 def print_latency(latency):
