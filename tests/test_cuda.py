@@ -171,3 +171,86 @@ def test_different_cuda_staging_fails_at_the_first_collective():
     for first, after in run_ranks(_first_collective_errors, 2, env_per_rank=envs, pg_timeout_s=30):
         assert "collective #1 allreduce" in first and "TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS" in first, first
         assert "unusable" in after, after
+
+
+def _nccl_async_on_a_side_stream(rank, world):
+    """algorithm="nccl", async, called on a side stream: the packs' results are divided and
+    copied back on hca's stream, which wait() orders the side stream after."""
+    dev = rank_device("cuda", rank)
+    group = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl", num_packs=3))
+    errors = []
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for case in range(3):
+            inputs = [[make_input(50 + case * 4 + i, r, n, torch.float32, "AVG") for i, n in enumerate((5, 70_001))]
+                      for r in range(world)]
+            mine = [t.to(dev) for t in inputs[rank]]
+            work = dist.all_reduce_coalesced(mine, op=dist.ReduceOp.AVG, group=group, async_op=True)
+            work.wait()
+            results = [t * 1 for t in mine]  # on the side stream, after wait()
+            for i, got in enumerate(results):
+                want = reduce_reference([inputs[r][i] for r in range(world)], "AVG")
+                errors.append(mismatch(f"case {case} tensor {i}", got, want, world))
+    torch.cuda.synchronize()
+    return [e for e in errors if e]
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_algorithm_async_orders_a_side_stream_after_it(world):
+    from harness import NCCL_SHARED_GPU_ENV, nccl_fits
+
+    if not nccl_fits(world):
+        pytest.skip(f"stock NCCL cannot join {world} ranks on {torch.cuda.device_count()} GPU(s) here")
+    assert run_ranks(_nccl_async_on_a_side_stream, world, env=NCCL_SHARED_GPU_ENV) == [[]] * world
+
+
+def _capture_beside_collectives(rank, world):
+    """A user captures CUDA graphs (global capture mode, the default) on their own stream while
+    hca collectives are in flight and its watchdog queries their events."""
+    dev = rank_device("cuda", rank)
+    big = torch.ones(1 << 22, device=dev)
+    x = torch.arange(1000, device=dev, dtype=torch.float32)
+    works = [dist.all_reduce(big, async_op=True) for _ in range(20)]
+    graphs = []
+    for _ in range(5):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = x
+            for _ in range(200):
+                y = y * 1.0001
+        graphs.append((graph, y))
+        time.sleep(0.01)
+    for work in works:
+        work.wait()
+    for graph, _ in graphs:
+        graph.replay()
+    torch.cuda.synchronize()
+    return mismatch("the collectives beside the captures", big, torch.full((1 << 22,), float(world ** 20)), world)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2])
+def test_graph_capture_beside_collectives_in_flight_succeeds(world):
+    assert run_ranks(_capture_beside_collectives, world) == [None] * world
+
+
+def _second_gpu_only(rank, world):
+    import ctypes
+
+    torch.cuda.set_device(1)
+    t = torch.ones(1000, device="cuda:1")
+    for _ in range(3):
+        dist.all_reduce(t, async_op=True).wait()
+    torch.cuda.synchronize()
+    dist.destroy_process_group()  # the watchdog and the executor's teardown switch devices
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert libcuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert libcuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return active.value  # (the harness's own destroy_process_group then fails after the result is in)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_rank_on_another_gpu_creates_no_context_on_gpu_0():
+    assert run_ranks(_second_gpu_only, 1) == [0]

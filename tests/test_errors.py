@@ -222,3 +222,58 @@ def test_different_stream_staging_fails_at_the_first_collective():
         assert "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be" in msg, msg
         assert "collective #2" in after and "unusable" in after, after
         assert elapsed < 20
+
+
+def _faulting_device(rank, world):
+    """Rank 0's model of the device faults at its 40th data operation (TORCH_HCA_MODEL_FAULT_AT)."""
+    start = time.monotonic()
+    msg = raises(lambda: [dist.all_reduce(torch.ones(100_000)) for _ in range(50)], dist.DistBackendError)
+    return msg, time.monotonic() - start
+
+
+def test_a_faulted_device_fails_its_rank_and_its_peers_at_once():
+    # A faulted GPU context never passes its events: the faulted rank must not report success,
+    # and its peers must hear the cause instead of waiting the whole timeout.
+    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_FAULT_AT": "40"}, STREAMS_ENV, STREAMS_ENV]
+    results = run_ranks(_faulting_device, 3, env_per_rank=envs, pg_timeout_s=30)
+    faulted, elapsed = results[0]
+    assert "faulted" in faulted and "injected fault at data operation 40" in faulted, faulted
+    for msg, elapsed in results:
+        assert "injected fault" in msg, msg
+        assert elapsed < 10, elapsed
+    for msg, _ in results[1:]:
+        assert "rank 0 failed" in msg, msg
+
+
+def _issuing_while_a_peer_dies(rank, world):
+    """Rank 1 dies while rank 0 keeps issuing async calls: every call rank 0 made either raises
+    or holds the right sum, never a wrong value reported as success."""
+    if rank == 1:
+        dist.all_reduce(torch.ones(10))
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(10))
+    works = []
+    for i in range(300):
+        t = torch.full((50_000,), float(i))
+        works.append((dist.all_reduce(t, async_op=True), t, i))
+        time.sleep(0.002)
+    wrong, raised, right = [], 0, 0
+    for work, t, i in works:
+        try:
+            work.wait()
+        except dist.DistBackendError:
+            raised += 1
+            continue
+        if torch.equal(t, torch.full((50_000,), float(i * world))):
+            right += 1
+        else:
+            wrong.append(i)
+    return wrong, raised, right
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_calls_issued_around_a_failure_raise_or_are_right(executor):
+    wrong, raised, right = run_ranks(_issuing_while_a_peer_dies, 2, pg_timeout_s=10, allow_missing=(1,),
+                                     env=executor)[0]
+    assert wrong == [] and raised > 0, (wrong, raised, right)

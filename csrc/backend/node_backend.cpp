@@ -5,9 +5,6 @@
 #include <optional>
 
 #include "../transport/nccl/passthrough.hpp"
-#ifdef HCA_WITH_CUDA
-#include "cuda/cuda_call.hpp"
-#endif
 
 namespace hca {
 namespace {
@@ -104,19 +101,12 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
                                             std::to_string(getRank()) + ", " + where + ": " + cause);
     }
   };
-  std::shared_ptr<DeviceCompletion> device;
-  std::vector<at::Tensor> stash;
-#ifdef HCA_WITH_CUDA
-  if (args.device().is_cuda()) {
-    auto call = std::make_shared<CudaCall>(args.device());
-    guarded = issued_by(call, std::move(guarded));
-    device = std::move(call);
-    stash = args.dense();
-    stash.insert(stash.end(), outputs.begin(), outputs.end());
+  std::shared_ptr<StreamCall> call;
+  if (args.device().is_cuda() && cuda_call_streams_) {
+    call = cuda_call_streams_->call(args.device());
+    guarded = issued_and_waited(call, call->keep(CallTensors{args, outputs}), std::move(guarded));
   }
-#endif
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded), std::move(device),
-                                           std::move(stash));
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded), std::move(call));
   queue_.submit(work, !async_op);
   return work;
 }

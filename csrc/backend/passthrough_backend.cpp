@@ -4,6 +4,7 @@
 
 #include "../transport/nccl/passthrough.hpp"
 #include "call_args.hpp"
+#include "stream_call.hpp"
 
 namespace hca {
 
@@ -22,11 +23,19 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
   auto packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
                                                         make_packs(args.descs(), packing_), opts.reduceOp, timeout);
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors,
-                                           [packed, args = std::move(args)] {
-                                             packed->finish();
-                                             args.write_back();
-                                           });
+  std::function<void()> body = [packed, args] {
+    packed->finish();
+    args.write_back();
+  };
+  // CUDA: the engine's results are divided and copied back on this group's
+  // stream, which the caller's stream then waits for (it would race otherwise).
+  std::shared_ptr<StreamCall> call;
+  if (args.device().is_cuda() && cuda_call_streams_) {
+    call = cuda_call_streams_->call(args.device());
+    body = issued_and_waited(call, call->keep(CallTensors{std::move(args), tensors}), std::move(body));
+  }
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body),
+                                           std::move(call));
   queue_.submit(work, !opts.asyncOp);
   return work;
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include "../plan/packing.h"
 #include "engine_backend.hpp"
+#include "stream_call.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
@@ -47,6 +48,7 @@ class PassthroughBackend : public EngineBackend {
  private:
   std::chrono::milliseconds timeout_;
   PackingOptions packing_;
+  std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();  // null without CUDA
   WorkQueue queue_;
 };
 

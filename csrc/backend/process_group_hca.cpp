@@ -33,6 +33,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   try {
     control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
     if (cpu_executor == CpuExecutor::HostStreams) {
+      cpu_call_streams_ = make_host_call_streams();
       cpu_executor_ = make_host_stream_executor(*control_, std::make_shared<StoreRendezvous>(store_),
                                                 RingLayout{shm_slot_bytes, shm_slots});
     } else {
@@ -56,6 +57,7 @@ Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op
 #ifdef HCA_WITH_CUDA
   if (device.is_cuda()) {
     if (!cuda_executor_) {
+      cuda_call_streams_ = make_cuda_call_streams();
       cuda_executor_ = cuda::make_cuda_executor(*control_, std::make_shared<StoreRendezvous>(store_), cuda_config_);
     }
     return *cuda_executor_;
@@ -63,6 +65,10 @@ Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op
 #endif
   TORCH_CHECK_NOT_IMPLEMENTED(false, "hca ", op, ": tensors on ", device,
                               " are not supported by this build (it has no executor for ", device.type(), ")");
+}
+
+CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {
+  return device.is_cpu() ? cpu_call_streams_.get() : cuda_call_streams_.get();
 }
 
 std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milliseconds timeout) const {
@@ -103,11 +109,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
   Executor& executor = executor_for(args.device(), args.name());
   ++sequence_;
   for (auto& c : collectives) c.timeout = timeout;
-#ifdef HCA_WITH_CUDA
-  if (args.device().is_cuda()) {
-    return launch_cuda(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
+  if (call_streams(args.device())) {
+    return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
   }
-#endif
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {
     for (const auto& c : collectives) {
       try {

@@ -17,6 +17,7 @@
 #include "call_args.hpp"
 #include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
+#include "stream_call.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
@@ -102,12 +103,14 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, CallArgs args, std::vector<Collective> collectives,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
                                         bool async_op);
-#ifdef HCA_WITH_CUDA
-  // launch() for CUDA tensors: stream semantics of ProcessGroupNCCL (cuda_call.cpp).
-  c10::intrusive_ptr<c10d::Work> launch_cuda(c10d::OpType type, Executor& executor, CallArgs args,
-                                             std::vector<Collective> collectives, std::vector<at::Tensor> outputs,
-                                             bool async_op);
-#endif
+  // launch() for a stream executor (CUDA tensors; CPU tensors on the model of
+  // the device): stream semantics of ProcessGroupNCCL (stream_call.cpp).
+  c10::intrusive_ptr<c10d::Work> launch_on_stream(c10d::OpType type, Executor& executor, CallArgs args,
+                                                  std::vector<Collective> collectives,
+                                                  std::vector<at::Tensor> outputs, bool async_op);
+  // The group's internal streams for `device`'s tensors, null where its
+  // executor runs each collective to the end on the host (shared memory).
+  CallStreams* call_streams(const at::Device& device);
   c10::intrusive_ptr<c10d::Work> post_message(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
   // allreduce of sparse COO tensors (SUM): gathers every rank's indices and values.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
@@ -139,6 +142,9 @@ class ProcessGroupHCA : public c10d::Backend {
   cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;
+  // Before the executors: their streams outlive what the executors issued.
+  std::unique_ptr<CallStreams> cpu_call_streams_;  // with the model of the device only
+  std::unique_ptr<CallStreams> cuda_call_streams_;
   std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;

@@ -58,12 +58,11 @@ class WorkQueueState {
 };
 
 WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
-                 std::shared_ptr<DeviceCompletion> device, std::vector<at::Tensor> stash)
+                 std::shared_ptr<DeviceCompletion> device)
     : c10d::Work(rank, type),
       outputs_(std::move(outputs)),
       body_(std::move(body)),
       device_(std::move(device)),
-      stash_(std::move(stash)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
                                                        device_ ? device_->devices() : std::vector<c10::Device>{})) {}
 
@@ -83,7 +82,6 @@ bool WorkHCA::wait(std::chrono::milliseconds timeout) {
 void WorkHCA::synchronize() {
   if (!device_) return;
   device_->make_current_stream_wait();
-  stash_.clear();
   device_->check_released();
 }
 

@@ -28,7 +28,7 @@ class DeviceCompletion {
   virtual std::vector<c10::Device> devices() const = 0;
   // The device finished what the body issued (never blocks).
   virtual bool query() const = 0;
-  // The caller's current stream waits for it (the host does not).
+  // The caller's current stream waits for it (on a GPU the host does not).
   virtual void make_current_stream_wait() const = 0;
   // Completes `future` so that its users' streams wait for the device.
   virtual void complete(c10::ivalue::Future& future, const c10::IValue& value) const = 0;
@@ -41,10 +41,11 @@ class WorkQueueState;
 
 class WorkHCA : public c10d::Work {
  public:
-  // `device` (optional): the stream work the body issues; `stash` stays alive
-  // until wait() has ordered the caller's stream after it.
+  // `device` (optional): the stream work the body issues (what it reads and
+  // writes is kept alive by whoever watches the stream, not by the Work: DDP
+  // keeps only the Future).
   WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
-          std::shared_ptr<DeviceCompletion> device = nullptr, std::vector<at::Tensor> stash = {});
+          std::shared_ptr<DeviceCompletion> device = nullptr);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // The Future completes first; these follow it, so a Future waiter sees a completed Work.
   bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }
@@ -69,7 +70,6 @@ class WorkHCA : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::function<void()> body_;
   std::shared_ptr<DeviceCompletion> device_;
-  std::vector<at::Tensor> stash_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

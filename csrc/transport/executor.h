@@ -3,6 +3,7 @@
 // CUDA tensors also the device and the stream to issue it on. An executor runs
 // any plan over its medium (shared memory for CPU tensors, CUDA IPC for CUDA).
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -19,11 +20,13 @@ struct TensorSpan {
   void* out;
 };
 
-// CUDA only: set when the executor gave up on an issued collective and
-// released the streams waiting in it (its outputs are then undefined).
-class Released {
+// Stream media only: what the executor tells about one call issued on a stream
+// (its collectives and what the caller issued after them, see end_call).
+class Issued {
  public:
-  void set(const std::string& cause) {
+  // The executor gave up on it and released the streams waiting in it (its
+  // outputs are then undefined); the first cause is kept.
+  void release(const std::string& cause) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (cause_.empty()) cause_ = cause;
   }
@@ -32,10 +35,15 @@ class Released {
     std::lock_guard<std::mutex> lock(mutex_);
     return cause_;
   }
+  // The device has passed the end of the call, and no peer's failure released it.
+  void settle() { settled_.store(true, std::memory_order_release); }
+  // Settled, or released: nothing more will happen to it.
+  bool over() const { return settled_.load(std::memory_order_acquire) || !cause().empty(); }
 
  private:
   mutable std::mutex mutex_;
   std::string cause_;
+  std::atomic<bool> settled_{false};
 };
 
 struct Collective {
@@ -45,10 +53,14 @@ struct Collective {
   // Every rank must pass the same text: a mismatch is reported, not executed.
   std::string signature;
   std::chrono::milliseconds timeout{0};
-  // CUDA only: the device of the tensors and the cudaStream_t to issue on.
+  // Stream media only: the device of the tensors, the stream to issue on (a
+  // cudaStream_t, or a host stream of the CPU model), the call it belongs to,
+  // and what must stay alive until the device has finished with it (the
+  // memory it reads and writes: a freed buffer is reused at once).
   int device = -1;
   void* stream = nullptr;
-  std::shared_ptr<Released> released;  // may be null
+  std::shared_ptr<Issued> issued;
+  std::shared_ptr<const void> keep;
 };
 
 class Executor {
@@ -58,6 +70,11 @@ class Executor {
   // Throws hca::Failure (timeout, dead peer, mismatched call, earlier failure);
   // once it has thrown, every later call throws too.
   virtual void run(const Collective& collective) = 0;
+  // Stream media only, after a call's last collective and whatever the caller
+  // issued on `stream` after it: keeps `keep` alive until the device has passed
+  // this point, then settles `issued` (or releases it, after a failure). Media
+  // that finish each collective in run() have nothing to do.
+  virtual void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) {}
 };
 
 }  // namespace hca

@@ -3,12 +3,13 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "../process_group_hca.hpp"
+#include <map>
+#include <mutex>
 
 namespace hca {
 
-CudaCall::CudaCall(const at::Device& device)
-    : device_(device), comm_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index())) {
+CudaCall::CudaCall(const at::Device& device, cudaStream_t internal)
+    : device_(device), comm_(c10::cuda::getStreamFromExternal(internal, device.index())) {
   c10::cuda::CUDAGuard guard(device_);
   const cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   // Refused here, on the caller's thread, so that the group stays usable.
@@ -28,9 +29,16 @@ CudaCall::~CudaCall() {
 
 void CudaCall::begin() const { C10_CUDA_CHECK(cudaStreamWaitEvent(comm_.stream(), ready_, 0)); }
 
-void CudaCall::end() const { C10_CUDA_CHECK(cudaEventRecord(end_, comm_.stream())); }
+void CudaCall::on_stream(std::function<void()> fn) const {
+  c10::cuda::CUDAStreamGuard guard(comm_);
+  fn();
+}
 
-bool CudaCall::query() const { return cudaEventQuery(end_) == cudaSuccess; }
+void CudaCall::end() { C10_CUDA_CHECK(cudaEventRecord(end_, comm_.stream())); }
+
+void CudaCall::wait_for_end() const { C10_CUDA_CHECK(cudaEventSynchronize(end_)); }
+
+bool CudaCall::query() const { return cudaEventQuery(end_) != cudaErrorNotReady; }
 
 void CudaCall::make_current_stream_wait() const {
   C10_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(device_.index()).stream(), end_, 0));
@@ -42,45 +50,38 @@ void CudaCall::complete(c10::ivalue::Future& future, const c10::IValue& value) c
   future.markCompleted(value);
 }
 
-void CudaCall::check_released() const {
-  const std::string cause = released_->cause();
-  if (!cause.empty()) {
-    C10_THROW_ERROR(DistBackendError, cause + " (this call was released unfinished: its outputs are undefined)");
-  }
-}
+namespace {
 
-std::function<void()> issued_by(std::shared_ptr<CudaCall> call, std::function<void()> body) {
-  return [call = std::move(call), body = std::move(body)] {
-    call->begin();
-    call->on_stream(body);
-    call->end();
-  };
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_cuda(c10d::OpType type, Executor& executor, CallArgs args,
-                                                            std::vector<Collective> collectives,
-                                                            std::vector<at::Tensor> outputs, bool async_op) {
-  auto call = std::make_shared<CudaCall>(args.device());
-  for (auto& c : collectives) {
-    c.device = call->device_index();
-    c.stream = call->stream();
-    c.released = call->released();
+class CudaCallStreams final : public CallStreams {
+ public:
+  ~CudaCallStreams() override {
+    // Work still queued on a stream completes before its resources go.
+    for (const auto& [device, stream] : streams_) cudaStreamDestroy(stream);
   }
-  std::vector<at::Tensor> stash = args.dense();
-  stash.insert(stash.end(), outputs.begin(), outputs.end());
-  auto body = issued_by(call, [&executor, collectives = std::move(collectives), args = std::move(args)] {
-    for (const auto& c : collectives) {
-      try {
-        executor.run(c);
-      } catch (const std::runtime_error& e) {
-        C10_THROW_ERROR(DistBackendError, e.what());
-      }
+
+  std::shared_ptr<StreamCall> call(const at::Device& device) override {
+    return std::make_shared<CudaCall>(device, stream(device.index()));
+  }
+
+ private:
+  cudaStream_t stream(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& stream = streams_[device];
+    if (!stream) {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+      int least = 0, greatest = 0;
+      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      C10_CUDA_CHECK(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest));
     }
-    args.write_back();
-  });
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), call, std::move(stash));
-  queue_.submit(work, !async_op);
-  return work;
-}
+    return stream;
+  }
+
+  std::mutex mutex_;
+  std::map<int, cudaStream_t> streams_;
+};
+
+}  // namespace
+
+std::unique_ptr<CallStreams> make_cuda_call_streams() { return std::make_unique<CudaCallStreams>(); }
 
 }  // namespace hca

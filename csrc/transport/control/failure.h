@@ -16,6 +16,7 @@ enum class FailureKind : uint32_t {
   Unusable,    // an earlier failure broke this group
   Setup,       // a medium could not be set up (e.g. CUDA IPC)
   BetweenNodes,  // the stage between nodes (an engine among node leaders) failed
+  DeviceFault,   // the device faulted while running the collective (e.g. a CUDA error)
 };
 
 class Failure : public std::runtime_error {

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../../plan/rounds.h"
@@ -58,16 +59,23 @@ int device_with_uuid(const char* uuid) {
 
 [[noreturn]] void setup_failure(const std::string& why) { throw Failure(FailureKind::Setup, "CUDA setup", -1, why); }
 
+// Makes `device` current; restores the previous one only where it has a
+// context already, as torch's guards do: a fresh thread reports device 0, and
+// setting it back would create a context (~500 MB) on GPU 0 for every rank.
 class DeviceGuard final : public StreamDevice::Scope {
  public:
   explicit DeviceGuard(int device) {
     check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (device != previous_) check(cudaSetDevice(device), "cudaSetDevice");
+    changed_ = device != previous_;
+    if (changed_) check(cudaSetDevice(device), "cudaSetDevice");
   }
-  ~DeviceGuard() override { cudaSetDevice(previous_); }
+  ~DeviceGuard() override {
+    if (changed_ && has_primary_context(previous_)) cudaSetDevice(previous_);
+  }
 
  private:
   int previous_ = 0;
+  bool changed_ = false;
 };
 
 // This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
@@ -82,22 +90,13 @@ class IpcStaging {
     try {
       publish_and_map(rendezvous, rank, world, device, config, timeout);
     } catch (...) {
-      // No collective has run: nothing of ours is in use, and the peers fail as well.
-      close_peers();
-      cudaFree(own_);
+      // Peers may have mapped our slots before this rank failed: they fail as well, and close first.
+      close_and_free();
       throw;
     }
   }
 
-  ~IpcStaging() {
-    close_peers();
-    // Freeing memory that peers still map is undefined: wait (bounded) until they closed.
-    try {
-      barrier("hca_cuda/closed", std::chrono::milliseconds(5000));
-    } catch (const std::exception&) {
-    }
-    cudaFree(own_);
-  }
+  ~IpcStaging() { close_and_free(); }
 
   char* base(int rank) const { return bases_[rank]; }
 
@@ -120,6 +119,20 @@ class IpcStaging {
       if (peer != rank) open_peer(peer, mine, device, timeout);
     }
     barrier("hca_cuda/opened", timeout);
+  }
+
+  // Freeing memory that peers still map is undefined: it is freed once every
+  // rank has closed its mappings, and left allocated (until the process ends)
+  // when a rank does not say so in time (it died, or hangs).
+  void close_and_free() {
+    close_peers();
+    rendezvous_.add("hca_cuda/closed", 1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (rendezvous_.add("hca_cuda/closed", 0) < world_) {
+      if (std::chrono::steady_clock::now() > deadline) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    cudaFree(own_);
   }
 
   void close_peers() {
@@ -237,8 +250,20 @@ class CudaDevice final : public StreamDevice {
     check(cudaEventRecord(event, cuda(stream)), "cudaEventRecord");
     return event;
   }
-  // An error (a faulted context) ends the wait too: the event will never pass.
-  bool finished(Event event) override { return cudaEventQuery(static_cast<cudaEvent_t>(event)) != cudaErrorNotReady; }
+  // Queried in thread-local capture mode, as ProcessGroupNCCL's watchdog does:
+  // in the default (global) mode a query from this thread would invalidate a
+  // graph the user is capturing on another. An error is a faulted device.
+  bool finished(Event event) override {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(event));
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    if (state == cudaSuccess) return true;
+    if (state == cudaErrorNotReady) return false;
+    cudaGetLastError();
+    throw Failure(FailureKind::DeviceFault, "CUDA", -1,
+                  std::string("the GPU faulted while running hca's stream: ") + cudaGetErrorString(state));
+  }
   void destroy(Event event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
   void check_issuable(Stream stream) override {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -268,7 +293,7 @@ std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_
     return std::unique_ptr<StreamDevice>(new CudaDevice(control, rendezvous, device, config, timeout));
   };
   return make_stream_executor(control, std::move(rendezvous), std::move(open),
-                              RingLayout{config.slot_bytes, config.slots}, Completion::Stream);
+                              RingLayout{config.slot_bytes, config.slots});
 }
 
 }  // namespace hca::cuda

@@ -29,6 +29,23 @@ void check_driver(int result, const char* what) {
 
 }  // namespace
 
+bool has_primary_context(int device) {
+  using GetState = int (*)(int device, unsigned* flags, int* active);
+  static const GetState get_state = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuDevicePrimaryCtxGetState", &fn, 11070, cudaEnableDefault, &found) !=
+            cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      return static_cast<GetState>(nullptr);
+    }
+    return reinterpret_cast<GetState>(fn);
+  }();
+  unsigned flags = 0;
+  int active = 0;
+  // CUdevice is the device's ordinal among the visible ones, as the runtime numbers them.
+  return get_state && get_state(device, &flags, &active) == CUDA_SUCCESS && active;
+}
+
 StreamOps::StreamOps(int device) {
   wait_ = entry_point<Fn>("cuStreamWaitValue32");
   write_ = entry_point<Fn>("cuStreamWriteValue32");

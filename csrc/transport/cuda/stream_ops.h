@@ -8,6 +8,9 @@
 
 namespace hca::cuda {
 
+// Whether `device` has an active primary context (asks the driver; creates none).
+bool has_primary_context(int device);
+
 class StreamOps {
  public:
   // Loads the entry points and probes that `device` can wait on registered host

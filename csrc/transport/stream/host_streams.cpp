@@ -3,12 +3,9 @@
 #include <sched.h>
 
 #include <atomic>
-#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <functional>
-#include <mutex>
-#include <thread>
+#include <stdexcept>
 #include <vector>
 
 #include "../../plan/rounds.h"
@@ -16,7 +13,86 @@
 #include "../shm/shm_executor.h"
 
 namespace hca {
+
+HostStream::HostStream() : worker_([this] { work(); }) {}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  changed_.notify_all();
+  // The last owner may be one of its own operations (a Work freed by a Future's callback).
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    worker_.detach();
+  } else {
+    worker_.join();
+  }
+}
+
+void HostStream::issue(std::function<void()> op) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(op));
+    ++issued_;
+  }
+  changed_.notify_all();
+}
+
+uint64_t HostStream::record() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return issued_;
+}
+
+void HostStream::throw_if_faulted() const {
+  if (!fault_.empty()) throw std::runtime_error("the device faulted: " + fault_);
+}
+
+bool HostStream::passed(uint64_t mark) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throw_if_faulted();
+  return completed_ >= mark;
+}
+
+void HostStream::synchronize(uint64_t mark) const {
+  std::unique_lock<std::mutex> lock(mutex_);
+  changed_.wait(lock, [&] { return completed_ >= mark || !fault_.empty(); });
+  throw_if_faulted();
+}
+
+void HostStream::work() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (true) {
+    changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped, everything run
+    auto op = std::move(queue_.front());
+    queue_.pop_front();
+    const bool faulted = !fault_.empty();
+    lock.unlock();
+    std::string error;
+    if (!faulted) {
+      try {
+        op();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    op = nullptr;  // what it captured goes before the host hears it ran
+    lock.lock();
+    if (!error.empty() && fault_.empty()) fault_ = error;
+    ++completed_;
+    changed_.notify_all();
+  }
+}
+
 namespace {
+
+HostStream& host(StreamDevice::Stream stream) { return *static_cast<HostStream*>(stream); }
+
+struct HostEvent {
+  HostStream* stream;
+  uint64_t mark;
+};
 
 class HostStreams final : public StreamDevice {
  public:
@@ -24,36 +100,28 @@ class HostStreams final : public StreamDevice {
       : control_(control),
         ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
-                                      ring.slot_bytes, ring.slots, timeout)),
-        worker_([this] { work(); }) {}
-
-  ~HostStreams() override {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    queued_.notify_all();
-    worker_.join();
+                                      ring.slot_bytes, ring.slots, timeout)) {
+    if (const char* at = std::getenv("TORCH_HCA_MODEL_FAULT_AT")) fault_at_ = std::strtoll(at, nullptr, 10);
   }
 
   char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
-  void copy(Stream, void* dst, const void* src, size_t bytes) override {
-    issue([=] { std::memcpy(dst, src, bytes); });
+  void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
+    issue_data(stream, [=] { std::memcpy(dst, src, bytes); });
   }
-  void reduce(Stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc,
-              size_t n, void* out, int divisor) override {
-    issue([=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
+  void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
+              size_t nsrc, size_t n, void* out, int divisor) override {
+    issue_data(stream, [=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
       shm::reduce_into(dtype, op, dst, first, sources.data(), nsrc, n, out, divisor);
     });
   }
-  void scale_copy(Stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    issue([=] { shm::scale_copy(dtype, dst, src, n, divisor); });
+  void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
+    issue_data(stream, [=] { shm::scale_copy(dtype, dst, src, n, divisor); });
   }
   // As a GPU's front end waits: no deadline (the executor's watchdog releases it).
-  void wait_progress(Stream, int rank, uint32_t value) override {
+  void wait_progress(Stream stream, int rank, uint32_t value) override {
     auto* word = &control_.progress(rank, ProgressWord::Stream);
-    issue([this, word, value] {
-      for (int i = 0; !reached(word->load(std::memory_order_acquire), value) && !stop_; ++i) {
+    host(stream).issue([word, value] {
+      for (int i = 0; !reached(word->load(std::memory_order_acquire), value); ++i) {
         if (i < 64) {
           sched_yield();
         } else {
@@ -62,53 +130,42 @@ class HostStreams final : public StreamDevice {
       }
     });
   }
-  void write_progress(Stream, int rank, uint32_t value) override {
+  void write_progress(Stream stream, int rank, uint32_t value) override {
     auto* word = &control_.progress(rank, ProgressWord::Stream);
-    issue([word, value] { word->store(value, std::memory_order_release); });
+    host(stream).issue([word, value] { word->store(value, std::memory_order_release); });
   }
-  // An event is the number of operations issued before it.
-  Event record(Stream) override { return reinterpret_cast<Event>(static_cast<uintptr_t>(issued_)); }
+  Event record(Stream stream) override { return new HostEvent{&host(stream), host(stream).record()}; }
   bool finished(Event event) override {
-    return completed_.load(std::memory_order_acquire) >= reinterpret_cast<uintptr_t>(event);
+    const auto* e = static_cast<HostEvent*>(event);
+    try {
+      return e->stream->passed(e->mark);
+    } catch (const std::runtime_error& fault) {
+      throw Failure(FailureKind::Setup, "CPU model of the device", -1, fault.what());
+    }
   }
-  void destroy(Event) override {}
+  void destroy(Event event) override { delete static_cast<HostEvent*>(event); }
   void check_issuable(Stream) override {}
   std::unique_ptr<Scope> make_current() override { return nullptr; }
 
  private:
-  void issue(std::function<void()> op) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      queue_.push_back(std::move(op));
+  // A data operation, or the injected fault in its place.
+  template <class Op>
+  void issue_data(Stream stream, Op op) {
+    if (++data_ops_ == fault_at_) {
+      host(stream).issue([n = data_ops_] {
+        throw std::runtime_error("injected fault at data operation " + std::to_string(n) +
+                                 " (TORCH_HCA_MODEL_FAULT_AT)");
+      });
+      return;
     }
-    ++issued_;
-    queued_.notify_one();
-  }
-
-  void work() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      queued_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopped, everything run
-      auto op = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      op();
-      completed_.fetch_add(1, std::memory_order_release);
-      lock.lock();
-    }
+    host(stream).issue(std::move(op));
   }
 
   ControlBlock& control_;
   size_t ring_bytes_;
   std::unique_ptr<SharedSegment> staging_;
-  std::mutex mutex_;
-  std::condition_variable queued_;
-  std::deque<std::function<void()>> queue_;
-  uint64_t issued_ = 0;  // by the executor's issuing thread only
-  std::atomic<uint64_t> completed_{0};
-  std::atomic<bool> stop_{false};
-  std::thread worker_;
+  int64_t data_ops_ = 0;  // by the executor's issuing thread only
+  int64_t fault_at_ = -1;
 };
 
 }  // namespace
@@ -119,7 +176,7 @@ std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::
   auto open = [&control, ring](Rendezvous& rendezvous, int, std::chrono::milliseconds timeout) {
     return std::unique_ptr<StreamDevice>(new HostStreams(control, rendezvous, ring, timeout));
   };
-  return make_stream_executor(control, std::move(rendezvous), std::move(open), ring, Completion::Host);
+  return make_stream_executor(control, std::move(rendezvous), std::move(open), ring);
 }
 
 }  // namespace hca

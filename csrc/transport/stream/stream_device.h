@@ -1,7 +1,9 @@
 // What a stream executor needs from a device: every rank's staging ring, and
 // operations issued on a stream that run later, in issue order. CUDA streams
-// are one implementation (cuda/cuda_device); host threads standing in for
-// streams are the other (host_streams), which runs the same executor in CI.
+// are one implementation (cuda/cuda_executor); the CPU model of the device, a
+// host thread per stream, is the other (host_streams), which runs the same
+// executor in CI. Streams are independent: nothing orders two of them but the
+// progress words, and the host learns what a stream did only through events.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -13,7 +15,7 @@ namespace hca {
 
 class StreamDevice {
  public:
-  using Stream = void*;  // cudaStream_t, or null for the host device's one stream
+  using Stream = void*;  // cudaStream_t, or a HostStream of the model
   using Event = void*;
 
   // Ends when destroyed (e.g. restores the thread's current CUDA device).
@@ -38,6 +40,8 @@ class StreamDevice {
   virtual void write_progress(Stream stream, int rank, uint32_t value) = 0;
   // A mark after everything issued on `stream` so far.
   virtual Event record(Stream stream) = 0;
+  // Whether the stream has passed `event`; throws hca::Failure once the device
+  // faulted (a faulted stream never passes it, and its outputs are undefined).
   virtual bool finished(Event event) = 0;
   virtual void destroy(Event event) = 0;
 

@@ -56,12 +56,8 @@ class StreamMedium final : public Medium {
 class StreamExecutor final : public Executor {
  public:
   StreamExecutor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous, OpenStreamDevice open,
-                 RingLayout ring, Completion completion)
-      : control_(control),
-        rendezvous_(std::move(rendezvous)),
-        open_(std::move(open)),
-        ring_(ring),
-        completion_(completion) {}
+                 RingLayout ring)
+      : control_(control), rendezvous_(std::move(rendezvous)), open_(std::move(open)), ring_(ring) {}
 
   ~StreamExecutor() override {
     {
@@ -92,11 +88,13 @@ class StreamExecutor final : public Executor {
       auto scope = device_->make_current();
       device_->check_issuable(collective.stream);
       medium_->set_stream(collective.stream);
-      runner_->run(collective, ctx);
-      StreamDevice::Event done = device_->record(collective.stream);
-      lock.lock();
-      pending_.push_back({done, ctx, collective.released, medium_->awaited()});
-      if (completion_ == Completion::Host) wait_finished(lock, done, ctx);
+      try {
+        runner_->run(collective, ctx);
+      } catch (...) {
+        track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited());
+        throw;
+      }
+      track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited());
     } catch (const Failure& failure) {
       if (!lock.owns_lock()) lock.lock();
       fail(failure);
@@ -104,13 +102,43 @@ class StreamExecutor final : public Executor {
     }
   }
 
+  void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) override {
+    std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
+    if (!device_) {  // nothing was issued: every collective of the call failed before
+      if (issued) issued->release("no collective of the call was issued");
+      return;
+    }
+    auto scope = device_->make_current();
+    WaitContext end{Clock::time_point::max(), "the end of a call", std::chrono::milliseconds(0)};
+    try {
+      track(lock, stream, end, std::move(issued), std::move(keep), {});
+    } catch (const Failure&) {
+      // Already failed: the Work reports it through `issued`.
+    }
+  }
+
  private:
   struct Pending {
     StreamDevice::Event done;
-    WaitContext ctx;
-    std::shared_ptr<Released> released;
-    std::vector<uint32_t> awaited;  // what its waits expect of each peer's word
+    WaitContext ctx;  // the end of a call: no deadline
+    std::shared_ptr<Issued> issued;
+    std::shared_ptr<const void> keep;
+    std::vector<uint32_t> awaited;  // what its waits expect of each peer's word; empty for a call's end
   };
+
+  // Watches what was issued on `stream` so far, keeping `keep` alive until the
+  // stream has passed it. After a failure it is released at once: the streams
+  // pass their poisoned waits, and nothing confirms that it finished.
+  void track(std::unique_lock<std::mutex>& lock, void* stream, const WaitContext& ctx, std::shared_ptr<Issued> issued,
+             std::shared_ptr<const void> keep, std::vector<uint32_t> awaited) {
+    StreamDevice::Event done = device_->record(stream);
+    lock.lock();
+    pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited)});
+    if (failed_) {
+      if (issued) issued->release(failure_->what());
+      throw *failure_;
+    }
+  }
 
   void set_up(int device_index, const WaitContext& ctx) {
     try {
@@ -125,22 +153,12 @@ class StreamExecutor final : public Executor {
     watchdog_ = std::thread([this] { watch(); });
   }
 
-  // Completion::Host: until `done` has passed, or the streams were released
-  // after a failure, which is thrown.
-  void wait_finished(std::unique_lock<std::mutex>& lock, StreamDevice::Event done, const WaitContext& ctx) {
-    // The newest pending entry is `done` until the watchdog pops (and destroys) it.
-    auto pending = [&] { return !pending_.empty() && pending_.back().done == done; };
-    while (!failed_ && pending() && !device_->finished(done)) finished_.wait_for(lock, std::chrono::microseconds(20));
-    if (!failed_) confirm_finished(ctx);
-    if (failed_) throw *failure_;
-  }
-
   // A collective that passed may have been released by a failing peer's poison
   // (published before it poisons) rather than finished: then it counts as failed.
-  void confirm_finished(const WaitContext& ctx) {
+  void confirm_finished(const Pending& p) {
     try {
       for (int peer = 0; peer < control_.world(); ++peer) {
-        if (peer != control_.rank()) control_.check_peer_failed(peer, ctx);
+        if (peer != control_.rank()) control_.check_peer_failed(peer, p.ctx);
       }
     } catch (const Failure& failure) {
       fail(failure);
@@ -148,16 +166,15 @@ class StreamExecutor final : public Executor {
   }
 
   // Publishes the cause and releases every stream that waits on a progress word.
-  // Callers hold mutex_. Every unfinished collective is released: its Work says so in wait().
+  // Callers hold mutex_. Every unfinished call is released: its Work says so in wait().
   void fail(const Failure& failure) {
     control_.publish_failure(failure);
     if (!failure_) failure_ = std::make_unique<Failure>(failure);
     failed_ = true;
     for (auto& p : pending_) {
-      if (p.released) p.released->set(failure.what());
+      if (p.issued) p.issued->release(failure.what());
     }
     poison();
-    finished_.notify_all();
   }
 
   void poison() {
@@ -167,28 +184,60 @@ class StreamExecutor final : public Executor {
     }
   }
 
-  // Pops finished collectives; for the oldest unfinished one, checks peers and its deadline.
+  // Whether the stream passed the oldest pending mark; a faulted device fails the group.
+  bool oldest_finished() {
+    try {
+      return device_->finished(pending_.front().done);
+    } catch (const Failure& fault) {
+      fail(Failure(FailureKind::DeviceFault, pending_.front().ctx.operation, -1, fault.cause()));
+      return false;
+    }
+  }
+
+  // Pops what the stream has passed (settling the calls that end there); for
+  // the oldest unfinished collective, checks peers and its deadline.
   void watch() {
     auto scope = device_->make_current();
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(2));
-      while (!pending_.empty() && device_->finished(pending_.front().done)) {
-        if (!failed_) confirm_finished(pending_.front().ctx);
-        device_->destroy(pending_.front().done);
-        pending_.pop_front();
-      }
+      while (!pending_.empty() && !failed_ && oldest_finished()) pop_finished();
       if (pending_.empty()) continue;
       if (failed_) {
-        poison();  // a live peer may have overwritten a poisoned word with a smaller value
+        // Released: what the device has passed can go; a live peer may have
+        // overwritten a poisoned word with a smaller value.
+        while (!pending_.empty() && oldest_passed_quietly()) pop_finished();
+        poison();
         continue;
       }
+      const Pending& oldest = pending_.front();
+      if (oldest.awaited.empty()) continue;  // a call's end waits on this rank's own stream only
       try {
-        check_peers(pending_.front());
+        check_peers(oldest);
       } catch (const Failure& failure) {
         fail(failure);
       }
     }
+  }
+
+  // After a failure: whether the stream passed the oldest mark (a fault counts
+  // as passed: that stream will run nothing more).
+  bool oldest_passed_quietly() {
+    try {
+      return device_->finished(pending_.front().done);
+    } catch (const Failure&) {
+      return true;
+    }
+  }
+
+  void pop_finished() {
+    Pending& p = pending_.front();
+    if (!failed_) {
+      if (!p.awaited.empty()) confirm_finished(p);
+      if (!failed_ && p.awaited.empty() && p.issued) p.issued->settle();
+    }
+    device_->destroy(p.done);
+    pending_.pop_front();  // drops what it kept alive
   }
 
   // Throws what keeps `oldest` from finishing: a dead or failed peer, or its
@@ -219,30 +268,30 @@ class StreamExecutor final : public Executor {
                       "it waits for (work queued before it on the stream?)");
   }
 
-  // Waits until every issued collective has finished (poisoning after the timeout).
+  // Waits until the streams have passed everything issued (poisoning after the
+  // timeout), then lets go of what it kept alive.
   void drain() {
     const auto give_up = Clock::now() + std::chrono::seconds(30);
-    for (auto& p : pending_) {
-      while (!device_->finished(p.done)) {
-        if (Clock::now() > give_up) poison();
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (!pending_.empty()) {
+      if (oldest_passed_quietly()) {
+        pop_finished();
+        continue;
       }
-      device_->destroy(p.done);
+      if (Clock::now() > give_up) poison();
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    pending_.clear();
   }
 
   ControlBlock& control_;
   std::shared_ptr<Rendezvous> rendezvous_;
   OpenStreamDevice open_;
   RingLayout ring_;
-  Completion completion_;
   int device_index_ = -1;
   std::unique_ptr<StreamDevice> device_;
   std::unique_ptr<StreamMedium> medium_;
   std::unique_ptr<RoundRunner> runner_;
   std::mutex mutex_;
-  std::condition_variable wake_, finished_;
+  std::condition_variable wake_;
   std::deque<Pending> pending_;
   bool stop_ = false;
   bool failed_ = false;
@@ -253,8 +302,8 @@ class StreamExecutor final : public Executor {
 }  // namespace
 
 std::unique_ptr<Executor> make_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
-                                               OpenStreamDevice open, RingLayout ring, Completion completion) {
-  return std::make_unique<StreamExecutor>(control, std::move(rendezvous), std::move(open), ring, completion);
+                                               OpenStreamDevice open, RingLayout ring) {
+  return std::make_unique<StreamExecutor>(control, std::move(rendezvous), std::move(open), ring);
 }
 
 }  // namespace hca

@@ -26,15 +26,13 @@ struct RingLayout {
 using OpenStreamDevice =
     std::function<std::unique_ptr<StreamDevice>(Rendezvous&, int device_index, std::chrono::milliseconds timeout)>;
 
-enum class Completion {
-  Stream,  // run() returns once issued; the caller orders itself after the stream (CUDA)
-  Host,    // run() returns once the collective has finished, or throws why it did not
-};
-
-// Nothing is opened until the first collective, on its device, once every rank
-// has posted it (so a missing rank or a mismatched call is named as such). A
-// rank whose device fails to open publishes why through `rendezvous`.
+// run() returns once the collective is issued on its stream; the caller orders
+// itself after the stream, and learns the outcome from Collective::issued once
+// end_call has marked the call's end. Nothing is opened until the first
+// collective, on its device, once every rank has posted it (so a missing rank
+// or a mismatched call is named as such). A rank whose device fails to open
+// publishes why through `rendezvous`.
 std::unique_ptr<Executor> make_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
-                                               OpenStreamDevice open, RingLayout ring, Completion completion);
+                                               OpenStreamDevice open, RingLayout ring);
 
 }  // namespace hca

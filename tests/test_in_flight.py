@@ -1,0 +1,140 @@
+"""Several collectives in flight at once (DDP's buckets, FSDP2's prefetch, async calls waited
+late or never): on the CPU model of the device ("cpu-streams": every stream a thread of its own,
+freed buffers poisoned) these are the CUDA path's check; on "cpu" the shared-memory executor's."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import torch_hca
+from harness import SMALL_CHUNKS, run_ranks
+from node_cases import fsdp2_training
+from reference import make_input, mismatch, rank_device, reduce_reference
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def _issue_mixed(rank, world, dev, group, case):
+    """Issues allreduce (two sizes, two ops), broadcast, all_gather_into_tensor and
+    reduce_scatter_tensor async; returns [(work, name, tensor, reference)] in issue order."""
+    calls = []
+    for i, (numel, op) in enumerate([(70_001, "SUM"), (13, "MAX"), (40_000, "AVG")]):
+        inputs = [make_input(case + i, r, numel, torch.float32, op) for r in range(world)]
+        t = inputs[rank].to(dev, copy=True)
+        work = dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group, async_op=True)
+        calls.append((work, f"allreduce {numel} {op}", t, reduce_reference(inputs, op)))
+    inputs = [make_input(case + 5, r, 30_000, torch.float64, "SUM") for r in range(world)]
+    t = inputs[rank].to(dev, copy=True)
+    calls.append((dist.broadcast(t, src=world - 1, group=group, async_op=True), "broadcast", t, inputs[world - 1]))
+    inputs = [make_input(case + 6, r, 20_000, torch.bfloat16, "SUM") for r in range(world)]
+    out = torch.empty(20_000 * world, dtype=torch.bfloat16, device=dev)
+    work = dist.all_gather_into_tensor(out, inputs[rank].to(dev), group=group, async_op=True)
+    calls.append((work, "all_gather_into_tensor", out, torch.cat(inputs)))
+    inputs = [make_input(case + 7, r, 25_000 * world, torch.float32, "SUM") for r in range(world)]
+    out = torch.empty(25_000, dtype=torch.float32, device=dev)
+    work = dist.reduce_scatter_tensor(out, inputs[rank].to(dev), group=group, async_op=True)
+    want = reduce_reference(inputs, "SUM")[rank * 25_000:(rank + 1) * 25_000]
+    calls.append((work, "reduce_scatter_tensor", out, want))
+    return calls
+
+
+def _mixed_in_flight(rank, world, device):
+    dev = rank_device(device, rank)
+    errors = []
+    for num_packs in (1, 2):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=num_packs))
+        # Waited in reverse order.
+        calls = _issue_mixed(rank, world, dev, group, 100 * num_packs)
+        for work, name, t, want in reversed(calls):
+            work.wait()
+            errors.append(mismatch(f"num_packs={num_packs} reversed: {name}", t, want, world))
+        # Only through their futures, the Works dropped at once.
+        calls = _issue_mixed(rank, world, dev, group, 100 * num_packs + 10)
+        futures = [work.get_future() for work, *_ in calls]
+        calls = [(None, name, t, want) for _, name, t, want in calls]
+        torch.futures.wait_all(futures)
+        for _, name, t, want in calls:
+            errors.append(mismatch(f"num_packs={num_packs} futures: {name}", t, want, world))
+        # Never waited: a later blocking call orders the caller after them (one stream).
+        calls = _issue_mixed(rank, world, dev, group, 100 * num_packs + 20)
+        calls = [(None, name, t, want) for _, name, t, want in calls]
+        last = torch.ones(5, device=dev)
+        dist.all_reduce(last, group=group)
+        errors.append(mismatch("the blocking call after them", last, torch.full((5,), float(world)), world))
+        for _, name, t, want in calls:
+            errors.append(mismatch(f"num_packs={num_packs} never waited: {name}", t, want, world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_mixed_collectives_in_flight_waited_late_or_never(world, device):
+    assert run_ranks(_mixed_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _temporaries_in_flight(rank, world, device):
+    """Calls whose buffers only hca holds (dense copies of non-contiguous tensors, the stacked
+    inputs of reduce_scatter's list form), their Works dropped and only the futures kept: the
+    buffers must live until the device is done with them."""
+    dev = rank_device(device, rank)
+    errors, futures, checks = [], [], []
+    for i in range(4):
+        base = [make_input(300 + i, r, 300 * 301, torch.float32, "SUM").reshape(300, 301) for r in range(world)]
+        view = base[rank].to(dev).t()  # non-contiguous: hca all-reduces a dense copy, then writes back
+        futures.append(dist.all_reduce(view, async_op=True).get_future())
+        checks.append((f"transposed view {i}", view, reduce_reference([b.t() for b in base], "SUM")))
+        ins = [[make_input(400 + i * world + j, r, 9_000, torch.float32, "SUM") for j in range(world)]
+               for r in range(world)]
+        out = torch.empty(9_000, device=dev)
+        futures.append(dist.reduce_scatter(out, [t.to(dev) for t in ins[rank]], async_op=True).get_future())
+        checks.append((f"reduce_scatter list {i}", out, reduce_reference([ins[r][rank] for r in range(world)], "SUM")))
+        # Allocations that could take the freed buffers' place.
+        junk = [torch.full((300 * 301,), 7.0, device=dev) for _ in range(3)]
+        del junk
+    torch.futures.wait_all(futures)
+    for name, got, want in checks:
+        errors.append(mismatch(name, got, want, world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_buffers_only_hca_holds_live_until_the_device_is_done(world, device):
+    assert run_ranks(_temporaries_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _ddp(rank, world, device, backend_name, steps=6):
+    dev = rank_device(device, rank) if backend_name == "hca" else torch.device("cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(4)],
+                                torch.nn.Linear(64, 4)).to(dev)
+    ddp = DDP(model, bucket_cap_mb=0.02)  # ~5 buckets in flight while the backward pass goes on
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 64, generator=g).to(dev), torch.randn(16, 4, generator=g).to(dev)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_with_buckets_in_flight_matches_gloo(world, device):
+    hca = run_ranks(_ddp, world, device, "hca", pg_options=torch_hca.Options(num_packs=2), env=SMALL_CHUNKS)
+    gloo = run_ranks(_ddp, world, "cpu", "gloo", backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
+    for r in range(1, world):
+        for a, b in zip(hca[0], hca[r]):
+            assert (a == b).all()
+
+
+def _fsdp2(rank, world, device):
+    return [t.numpy() for t in fsdp2_training(rank, device=device)[1]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp2_overlapped_gathers_and_scatters_match_gloo(world, device):
+    hca = run_ranks(_fsdp2, world, device, env=SMALL_CHUNKS)
+    gloo = run_ranks(_fsdp2, world, "cpu", backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
