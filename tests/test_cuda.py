@@ -1,6 +1,7 @@
 """The CUDA path: what runs everywhere (device routing, the CUDA compile check's presence)
 and the GPU tests that skip without CUDA. The collectives' whole matrix runs on CUDA through
-the `device` fixture of test_collectives.py; these add stream semantics, training and failures."""
+the `device` fixture of test_collectives.py, and DDP and FSDP2 with collectives in flight through
+test_in_flight.py's; these add stream semantics and failures."""
 import os
 import signal
 import time
@@ -12,7 +13,6 @@ import torch.distributed as dist
 import torch_hca
 from harness import raises, run_ranks
 from torch_hca.options import cuda_chunk_bytes
-from node_cases import fsdp2_training
 from reference import make_input, mismatch, rank_device, reduce_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -89,41 +89,6 @@ def test_graph_capture_is_refused_and_the_group_stays_usable(world):
     for message, error in run_ranks(_capture_refused, world):
         assert "hca: collectives cannot be captured in a CUDA graph yet" in message, message
         assert error is None, error
-
-
-def _train_cuda(rank, world, backend_name, steps=10):
-    dev = rank_device("cuda", rank) if backend_name == "hca" else torch.device("cpu")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).to(dev)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(steps):
-        x, y = torch.randn(16, 32, generator=g).to(dev), torch.randn(16, 4, generator=g).to(dev)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    return [p.detach().cpu().numpy().copy() for p in model.parameters()]
-
-
-@needs_cuda
-def test_ddp_on_cuda_matches_gloo_on_cpu():
-    hca = run_ranks(_train_cuda, 2, "hca", pg_options=torch_hca.Options(num_packs=2))
-    gloo = run_ranks(_train_cuda, 2, "gloo", backend="gloo")
-    for a, b in zip(hca[0], gloo[0]):
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
-
-
-def _fsdp2_parameters(rank, world, device):
-    return [t.numpy() for t in fsdp2_training(rank, device=device)[1]]  # tensors would travel by fd
-
-
-@needs_cuda
-def test_fsdp2_on_cuda_matches_gloo_on_cpu():
-    hca = run_ranks(_fsdp2_parameters, 2, "cuda")
-    gloo = run_ranks(_fsdp2_parameters, 2, "cpu", backend="gloo")
-    for a, b in zip(hca[0], gloo[0]):
-        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
 
 
 def _dies_mid_collective_cuda(rank, world):
