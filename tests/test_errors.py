@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
 from harness import STREAMS_ENV, RankFailed, raises, run_ranks
+from reference import make_input, mismatch, rank_device, reduce_reference
 
 # Failures must be found by both executors of CPU tensors: the shared-memory one, and the
 # stream executor that CUDA tensors use (its watchdog releases the waiting streams).
@@ -277,3 +278,31 @@ def test_calls_issued_around_a_failure_raise_or_are_right(executor):
     wrong, raised, right = run_ranks(_issuing_while_a_peer_dies, 2, pg_timeout_s=10, allow_missing=(1,),
                                      env=executor)[0]
     assert wrong == [] and raised > 0, (wrong, raised, right)
+
+
+def _survivors_go_on(rank, world, device):
+    """Rank 2 dies mid-collective; ranks 0 and 1 hear it, then go on in a group of their own."""
+    dev = rank_device(device, rank)
+    survivors = dist.new_group([0, 1])
+    if rank == 2:  # dies with collectives under way, its peers' streams waiting on it
+        works = [dist.all_reduce(torch.ones(1 << 20, device=dev), async_op=True) for _ in range(20)]
+        time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGKILL)
+    msg = raises(lambda: [dist.all_reduce(torch.ones(1 << 20, device=dev)) for _ in range(50)], dist.DistBackendError)
+    inputs = [make_input(9, r, 300_000, torch.float32, "SUM") for r in (0, 1)]
+    t = inputs[rank].to(dev, copy=True)
+    dist.all_reduce(t, group=survivors)
+    dist.destroy_process_group(survivors)
+    return msg, mismatch("survivors' allreduce", t, reduce_reference(inputs, "SUM"), 2)
+
+
+# Once released, the survivors' streams must not touch the dead rank's staging: on a GPU a fault
+# there would break every group of the process (the model's device faults as a whole, too).
+@pytest.mark.parametrize("device,executor", [
+    ("cpu", {}), ("cpu", STREAMS_ENV),
+    pytest.param("cuda", {}, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+], ids=["shm", "streams", "cuda"])
+def test_survivors_of_a_dead_peer_go_on_in_a_group_without_it(device, executor):
+    for msg, wrong in run_ranks(_survivors_go_on, 3, device, pg_timeout_s=10, allow_missing=(2,), env=executor)[:2]:
+        assert "rank 2 (pid" in msg and "died" in msg, msg
+        assert wrong is None, wrong

@@ -64,10 +64,17 @@ class HostStreamCall final : public StreamCall {
     wait_for_end();
     while (!issued()->over()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
+  // On a faulted device the Future gets the fault, as a CUDA Future's wait raises it.
   void complete(c10::ivalue::Future& future, const c10::IValue& value) const override {
-    stream_->issue([future = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&future), value] {
-      future->markCompleted(value);
-    });
+    auto shared = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&future);
+    stream_->issue([shared, value] { shared->markCompleted(value); },
+                   [shared](const std::string& fault) {
+                     try {
+                       C10_THROW_ERROR(DistBackendError, "hca: " + fault);
+                     } catch (...) {
+                       shared->setError(std::current_exception());
+                     }
+                   });
   }
 
  private:

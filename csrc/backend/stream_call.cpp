@@ -58,7 +58,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
         C10_THROW_ERROR(DistBackendError, e.what());
       }
     }
-    call->on_stream([kept] { kept->args.write_back(); });
+    // Not kept alive by this closure (on CUDA it runs now, issuing copies): the
+    // executor keeps the tensors until the stream has passed the call's end.
+    call->on_stream([tensors = kept.get()] { tensors->args.write_back(); });
     call->end();
     executor.end_call(call->stream(), call->issued(), kept);
   };

@@ -80,6 +80,9 @@ class ControlBlock {
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
     return slot(rank).progress[static_cast<int>(word)].value;
   }
+  // Non-zero once `rank` has published a failure. A rank's streams skip their
+  // data operations once its own is set (the GPU reads it in the registered block).
+  const std::atomic<uint32_t>& failure_word(int rank) const { return slot(rank).failed; }
   // Until `peer`'s word reaches `at_least` (cyclically); throws Failure on
   // timeout, a dead peer, or a peer that published a failure.
   void wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const;

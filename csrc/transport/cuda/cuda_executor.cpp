@@ -10,7 +10,7 @@
 #include "../../plan/rounds.h"
 #include "../stream/stream_executor.h"
 #include "check.h"
-#include "reduce_kernels.h"
+#include "data_kernels.h"
 #include "stream_ops.h"
 
 namespace hca::cuda {
@@ -205,18 +205,24 @@ class RegisteredControl {
     device_base_ = reinterpret_cast<uint64_t>(device);
   }
   ~RegisteredControl() { cudaHostUnregister(control_.data()); }
-  uint64_t word(int rank) const {
-    const auto* host = &control_.progress(rank, ProgressWord::Stream);
-    return device_base_ + static_cast<uint64_t>(reinterpret_cast<const char*>(host) - control_.data());
+
+  uint64_t progress_word(int rank) const { return device_address(&control_.progress(rank, ProgressWord::Stream)); }
+  const uint32_t* failure_word(int rank) const {
+    return reinterpret_cast<const uint32_t*>(device_address(&control_.failure_word(rank)));
   }
 
  private:
+  uint64_t device_address(const void* host) const {
+    return device_base_ + static_cast<uint64_t>(static_cast<const char*>(host) - control_.data());
+  }
+
   ControlBlock& control_;
   uint64_t device_base_ = 0;
 };
 
-// CUDA streams as a StreamDevice: IPC-mapped staging, copies and reduce kernels,
-// and stream memory operations on the registered control block.
+// CUDA streams as a StreamDevice: IPC-mapped staging, copy and reduce kernels
+// (which do nothing once this rank's failure word is set), and stream memory
+// operations on the registered control block.
 class CudaDevice final : public StreamDevice {
  public:
   // With `device` current.
@@ -225,24 +231,25 @@ class CudaDevice final : public StreamDevice {
       : device_(device),
         ops_(device),
         registered_(control),
+        released_(registered_.failure_word(control.rank())),
         staging_(rendezvous, control.rank(), control.world(), device, config, timeout) {}
 
   char* staging(int rank) const override { return staging_.base(rank); }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda(stream)), "cudaMemcpyAsync");
+    copy_async(cuda(stream), released_, dst, src, bytes);
   }
   void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
               size_t nsrc, size_t n, void* out, int divisor) override {
-    reduce_async(cuda(stream), dtype, op, dst, first, srcs, nsrc, n, out, divisor);
+    reduce_async(cuda(stream), released_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
   void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    scale_copy_async(cuda(stream), dtype, dst, src, n, divisor);
+    scale_copy_async(cuda(stream), released_, dtype, dst, src, n, divisor);
   }
   void wait_progress(Stream stream, int rank, uint32_t value) override {
-    ops_.wait_geq(cuda(stream), registered_.word(rank), value);
+    ops_.wait_geq(cuda(stream), registered_.progress_word(rank), value);
   }
   void write_progress(Stream stream, int rank, uint32_t value) override {
-    ops_.write(cuda(stream), registered_.word(rank), value);
+    ops_.write(cuda(stream), registered_.progress_word(rank), value);
   }
   Event record(Stream stream) override {
     cudaEvent_t event = nullptr;
@@ -280,6 +287,7 @@ class CudaDevice final : public StreamDevice {
   int device_;
   StreamOps ops_;
   RegisteredControl registered_;
+  const uint32_t* released_;  // this rank's failure word, as the GPU addresses it
   IpcStaging staging_;
 };
 

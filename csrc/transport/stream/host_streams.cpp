@@ -14,6 +14,39 @@
 
 namespace hca {
 
+namespace {
+
+// The model's device context: one per process, as a CUDA context is per process
+// and GPU. The first operation that throws faults it for every stream.
+class DeviceContext {
+ public:
+  void fault(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!faulted_.load(std::memory_order_relaxed)) what_ = why;
+    faulted_.store(true, std::memory_order_release);
+  }
+  bool faulted() const { return faulted_.load(std::memory_order_acquire); }
+  std::string what() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return "the device faulted: " + what_;
+  }
+  void throw_if_faulted() const {
+    if (faulted()) throw std::runtime_error(what());
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::atomic<bool> faulted_{false};
+  std::string what_;
+};
+
+DeviceContext& context() {
+  static DeviceContext shared;
+  return shared;
+}
+
+}  // namespace
+
 HostStream::HostStream() : worker_([this] { work(); }) {}
 
 HostStream::~HostStream() {
@@ -30,10 +63,10 @@ HostStream::~HostStream() {
   }
 }
 
-void HostStream::issue(std::function<void()> op) {
+void HostStream::issue(std::function<void()> op, std::function<void(const std::string&)> if_faulted) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(op));
+    queue_.push_back({std::move(op), std::move(if_faulted)});
     ++issued_;
   }
   changed_.notify_all();
@@ -44,20 +77,17 @@ uint64_t HostStream::record() {
   return issued_;
 }
 
-void HostStream::throw_if_faulted() const {
-  if (!fault_.empty()) throw std::runtime_error("the device faulted: " + fault_);
-}
-
 bool HostStream::passed(uint64_t mark) const {
+  context().throw_if_faulted();
   std::lock_guard<std::mutex> lock(mutex_);
-  throw_if_faulted();
   return completed_ >= mark;
 }
 
 void HostStream::synchronize(uint64_t mark) const {
   std::unique_lock<std::mutex> lock(mutex_);
-  changed_.wait(lock, [&] { return completed_ >= mark || !fault_.empty(); });
-  throw_if_faulted();
+  // Another stream's fault is not announced here: look again now and then.
+  while (completed_ < mark && !context().faulted()) changed_.wait_for(lock, std::chrono::milliseconds(10));
+  context().throw_if_faulted();
 }
 
 void HostStream::work() {
@@ -65,21 +95,20 @@ void HostStream::work() {
   while (true) {
     changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (queue_.empty()) return;  // stopped, everything run
-    auto op = std::move(queue_.front());
+    Op op = std::move(queue_.front());
     queue_.pop_front();
-    const bool faulted = !fault_.empty();
     lock.unlock();
-    std::string error;
-    if (!faulted) {
+    if (!context().faulted()) {
       try {
-        op();
+        op.run();
       } catch (const std::exception& e) {
-        error = e.what();
+        context().fault(e.what());
       }
+    } else if (op.if_faulted) {
+      op.if_faulted(context().what());
     }
-    op = nullptr;  // what it captured goes before the host hears it ran
+    op = {};  // what it captured goes before the host hears it ran
     lock.lock();
-    if (!error.empty() && fault_.empty()) fault_ = error;
     ++completed_;
     changed_.notify_all();
   }
@@ -121,7 +150,7 @@ class HostStreams final : public StreamDevice {
   void wait_progress(Stream stream, int rank, uint32_t value) override {
     auto* word = &control_.progress(rank, ProgressWord::Stream);
     host(stream).issue([word, value] {
-      for (int i = 0; !reached(word->load(std::memory_order_acquire), value); ++i) {
+      for (int i = 0; !reached(word->load(std::memory_order_acquire), value) && !context().faulted(); ++i) {
         if (i < 64) {
           sched_yield();
         } else {
@@ -148,7 +177,8 @@ class HostStreams final : public StreamDevice {
   std::unique_ptr<Scope> make_current() override { return nullptr; }
 
  private:
-  // A data operation, or the injected fault in its place.
+  // A data operation, or the injected fault in its place; skipped once this
+  // rank has failed, as the CUDA kernels skip themselves.
   template <class Op>
   void issue_data(Stream stream, Op op) {
     if (++data_ops_ == fault_at_) {
@@ -158,7 +188,9 @@ class HostStreams final : public StreamDevice {
       });
       return;
     }
-    host(stream).issue(std::move(op));
+    host(stream).issue([released = &control_.failure_word(control_.rank()), op = std::move(op)] {
+      if (released->load(std::memory_order_acquire) == 0) op();
+    });
   }
 
   ControlBlock& control_;

@@ -6,8 +6,9 @@
 // (TORCH_HCA_CPU_EXECUTOR=streams; the shared-memory executor is faster).
 // It is never kinder than a GPU: every stream has a thread of its own, nothing
 // orders two streams, the host sees an operation's effect only through an
-// event, and an operation that throws faults its stream for good (CUDA's sticky
-// errors): later operations on it are skipped and its events raise the fault.
+// event, and an operation that throws faults the process's model device for
+// good, as a sticky error does a CUDA context: later operations on every stream
+// are skipped, and every stream's events raise the fault.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -32,8 +33,9 @@ class HostStream {
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
 
-  // Runs `op` on the stream's thread after everything issued before it.
-  void issue(std::function<void()> op);
+  // Runs `op` on the stream's thread after everything issued before it; once
+  // the device has faulted, runs `if_faulted` (if any) with the fault instead.
+  void issue(std::function<void()> op, std::function<void(const std::string&)> if_faulted = nullptr);
   // A mark after everything issued so far (an event).
   uint64_t record();
   // Whether the stream has passed `mark`; throws std::runtime_error once it faulted.
@@ -42,21 +44,23 @@ class HostStream {
   void synchronize(uint64_t mark) const;
 
  private:
+  struct Op {
+    std::function<void()> run;
+    std::function<void(const std::string&)> if_faulted;
+  };
   void work();
-  void throw_if_faulted() const;  // mutex_ held
 
   mutable std::mutex mutex_;
   mutable std::condition_variable changed_;
-  std::deque<std::function<void()>> queue_;
+  std::deque<Op> queue_;
   uint64_t issued_ = 0, completed_ = 0;
-  std::string fault_;  // the first operation's error; later ones are skipped
   bool stop_ = false;
   std::thread worker_;
 };
 
 // The stream executor over the model (its streams are the HostStreams the
 // caller issues on, passed as Collective::stream). TORCH_HCA_MODEL_FAULT_AT=n
-// (tests) makes the n-th data operation this device issues fault its stream.
+// (tests) makes the n-th data operation this device issues fault the device.
 std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                                     RingLayout ring);
 

@@ -28,7 +28,10 @@ class StreamDevice {
   // The first byte of `rank`'s ring of staging slots, as this rank addresses it.
   virtual char* staging(int rank) const = 0;
 
-  // Issued on `stream`; each runs after everything issued on it before.
+  // Issued on `stream`; each runs after everything issued on it before. The
+  // data operations (copy, reduce, scale_copy) do nothing if this rank's failure
+  // word (ControlBlock::failure_word) is set when they run: the group was
+  // released, and a dead peer's staging may be gone with its process.
   virtual void copy(Stream stream, void* dst, const void* src, size_t bytes) = 0;
   // As Medium::reduce (`srcs` is read at issue time).
   virtual void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,

@@ -184,13 +184,14 @@ class StreamExecutor final : public Executor {
     }
   }
 
-  // Whether the stream passed the oldest pending mark; a faulted device fails the group.
-  bool oldest_finished() {
+  // Whether the stream passed the oldest pending mark. A faulted device fails
+  // the group, and counts as passed: its streams run nothing more.
+  bool oldest_passed() {
     try {
       return device_->finished(pending_.front().done);
     } catch (const Failure& fault) {
-      fail(Failure(FailureKind::DeviceFault, pending_.front().ctx.operation, -1, fault.cause()));
-      return false;
+      if (!failed_) fail(Failure(FailureKind::DeviceFault, pending_.front().ctx.operation, -1, fault.cause()));
+      return true;
     }
   }
 
@@ -201,13 +202,10 @@ class StreamExecutor final : public Executor {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(2));
-      while (!pending_.empty() && !failed_ && oldest_finished()) pop_finished();
+      while (!pending_.empty() && oldest_passed()) pop_finished();
       if (pending_.empty()) continue;
       if (failed_) {
-        // Released: what the device has passed can go; a live peer may have
-        // overwritten a poisoned word with a smaller value.
-        while (!pending_.empty() && oldest_passed_quietly()) pop_finished();
-        poison();
+        poison();  // a live peer may have overwritten a poisoned word with a smaller value
         continue;
       }
       const Pending& oldest = pending_.front();
@@ -217,16 +215,6 @@ class StreamExecutor final : public Executor {
       } catch (const Failure& failure) {
         fail(failure);
       }
-    }
-  }
-
-  // After a failure: whether the stream passed the oldest mark (a fault counts
-  // as passed: that stream will run nothing more).
-  bool oldest_passed_quietly() {
-    try {
-      return device_->finished(pending_.front().done);
-    } catch (const Failure&) {
-      return true;
     }
   }
 
@@ -268,16 +256,23 @@ class StreamExecutor final : public Executor {
                       "it waits for (work queued before it on the stream?)");
   }
 
-  // Waits until the streams have passed everything issued (poisoning after the
-  // timeout), then lets go of what it kept alive.
+  // Waits until the streams have passed everything issued (failing the group
+  // after the timeout, which releases them), then lets go of what it kept alive.
   void drain() {
     const auto give_up = Clock::now() + std::chrono::seconds(30);
     while (!pending_.empty()) {
-      if (oldest_passed_quietly()) {
+      if (oldest_passed()) {
         pop_finished();
         continue;
       }
-      if (Clock::now() > give_up) poison();
+      if (Clock::now() > give_up) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!failed_) {
+          fail(Failure(FailureKind::Timeout, pending_.front().ctx.operation, -1,
+                       "the group was destroyed with collectives still running 30 s later"));
+        }
+        poison();
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
