@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
-from harness import STREAMS_ENV, RankFailed, raises, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, raises, run_ranks
 from reference import make_input, mismatch, rank_device, reduce_reference
 
 # Failures must be found by both executors of CPU tensors: the shared-memory one, and the
@@ -69,6 +69,52 @@ def test_bad_input_gives_clear_errors():
         assert "different dtypes" in msgs["gather dtype"], msgs
         assert "the output has dtype Float but the input has Long" in msgs["flat gather dtype"], msgs
         assert msgs["still works"] == "" and msgs["complex sum"] == "", msgs
+
+
+def _aliasing(rank, world, device):
+    """Tensors of one call sharing memory: a ValueError, except the in-place forms torch and NCCL
+    define, which must give the reference result (over many staging rounds, two packs)."""
+    dev = rank_device(device, rank)
+    group = dist.new_group(pg_options=torch_hca.Options(num_packs=2))
+    x = torch.ones(40, device=dev)
+    refused = {
+        "same tensor twice": lambda: dist.all_reduce_coalesced([x, x], group=group),
+        "overlapping views": lambda: dist.all_reduce_coalesced([x[0:20], x[10:30]], group=group),
+        "gather input in another rank's chunk": lambda: dist.all_gather_into_tensor(
+            x[:10 * world], x[10 * ((rank + 1) % world):][:10], group=group),
+        "scatter output in another rank's chunk": lambda: dist.reduce_scatter_tensor(
+            x[10 * ((rank + 1) % world):][:10], x[:10 * world], group=group),
+        "list gather input in another output": lambda: dist.all_gather(
+            list(x[:10 * world].chunk(world)), x[10 * ((rank + 1) % world):][:10], group=group),
+    }
+    msgs = {name: raises(call, ValueError) for name, call in refused.items()}
+    errors = []
+    n = 50_001
+    for case, dtype in enumerate([torch.float32, torch.bfloat16, torch.int64]):
+        inputs = [make_input(500 + case, r, n, dtype, "SUM") for r in range(world)]
+        out = torch.zeros(n * world, dtype=dtype, device=dev)
+        out[rank * n:(rank + 1) * n] = inputs[rank].to(dev)
+        dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group=group)
+        errors.append(mismatch(f"in-place all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
+        outs = [torch.zeros(n, dtype=dtype, device=dev) for _ in range(world)]
+        outs[rank].copy_(inputs[rank])
+        dist.all_gather(outs, outs[rank], group=group)
+        errors.append(mismatch(f"in-place all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
+        big = [make_input(600 + case, r, n * world, dtype, "SUM") for r in range(world)]
+        t = big[rank].to(dev, copy=True)
+        dist.reduce_scatter_tensor(t[rank * n:(rank + 1) * n], t, group=group)
+        want = reduce_reference(big, "SUM")[rank * n:(rank + 1) * n]
+        errors.append(mismatch(f"in-place reduce_scatter_tensor {dtype}", t[rank * n:(rank + 1) * n], want, world))
+    return msgs, [e for e in errors if e]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensors_sharing_memory_are_refused_or_in_place(world, executor):
+    for msgs, errors in run_ranks(_aliasing, world, "cpu", env={**SMALL_CHUNKS, **executor}):
+        for name, msg in msgs.items():
+            assert "share memory" in msg and "of the call" in msg, (name, msg)
+        assert errors == [], errors
 
 
 def _mismatched(rank, world, kind):
@@ -152,6 +198,22 @@ def test_missing_rank_times_out_with_its_name(executor):
     msg, elapsed = run_ranks(_never_arrives, 2, pg_timeout_s=3, env=executor)[0]
     assert "allreduce" in msg and "rank 1" in msg and "Timed out" in msg, msg
     assert 2.5 < elapsed < 3 + 5
+
+
+def _allreduce_twice(rank, world):
+    t = torch.full((100_000,), float(rank + 1))
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=dist.new_group())
+    return t[0].item()
+
+
+# Users pass huge timeouts to mean "never"; 30 days in ms overflowed an int (a negative deadline).
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("days", [30, 10**6])
+def test_huge_timeouts_mean_never(days, executor):
+    world = 2
+    want = float(world * (world + 1) / 2 * world)
+    assert run_ranks(_allreduce_twice, world, pg_timeout_s=days * 86400, env=executor) == [want] * world
 
 
 def _first_allreduce(rank, world):

@@ -4,7 +4,7 @@ import random
 import pytest
 
 import torch_hca
-from torch_hca.options import Options, shm_chunk_bytes
+from torch_hca.options import Options, cuda_slots, shm_chunk_bytes, shm_slots
 
 
 def test_defaults_and_env():
@@ -76,3 +76,12 @@ def test_chunk_bytes_env():
     for bad in ("12", "big"):
         with pytest.raises(ValueError, match="TORCH_HCA_SHM_CHUNK_BYTES"):
             shm_chunk_bytes({"TORCH_HCA_SHM_CHUNK_BYTES": bad})
+
+
+@pytest.mark.parametrize("reader, name", [(shm_slots, "TORCH_HCA_SHM_SLOTS"), (cuda_slots, "TORCH_HCA_CUDA_SLOTS")])
+def test_slot_counts_beyond_the_bound_name_the_variable(reader, name):
+    # Counts that would not fit the extension's int (pybind's unreadable TypeError before).
+    assert reader({name: "65536"}) == 65536
+    for bad in (str(2**31), str(2**40), "65537", "1"):
+        with pytest.raises(ValueError, match=f"{name}=.*between 2 and 65536"):
+            reader({name: bad})

@@ -115,16 +115,19 @@ def _parse(field, text):
     return int(text)
 
 
-def _env_int(name, default, minimum, environ):
+def _env_int(name, default, minimum, environ, maximum=2**40):
     environ = os.environ if environ is None else environ
     text = environ.get(ENV_PREFIX + name, "")
     try:
         value = int(text) if text.strip() else default
     except ValueError:
         raise ValueError(f"{ENV_PREFIX}{name}={text!r}: expected an int") from None
-    if not minimum <= value <= 2**40:
-        raise ValueError(f"{ENV_PREFIX}{name}={text!r}: must be between {minimum} and 2**40")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{ENV_PREFIX}{name}={text!r}: must be between {minimum} and {maximum}")
     return value
+
+
+MAX_SLOTS = 1 << 16  # a ring longer than this buys nothing, and the count must fit the C++ int
 
 
 def shm_chunk_bytes(environ=None) -> int:
@@ -137,7 +140,7 @@ def shm_slots(environ=None) -> int:
     the copies that peers' caches hold of a slot age out before the slot is written again: writing
     a line another core still holds must invalidate that copy first, which made 2 slots 1.2-2.2x
     slower than 16 on a 2-vCPU VM (README, "Measured")."""
-    return _env_int("SHM_SLOTS", 16, 2, environ)
+    return _env_int("SHM_SLOTS", 16, 2, environ, MAX_SLOTS)
 
 
 def cuda_chunk_bytes(environ=None) -> int:
@@ -147,7 +150,7 @@ def cuda_chunk_bytes(environ=None) -> int:
 
 def cuda_slots(environ=None) -> int:
     """CUDA staging slots per rank, a ring: chunk i+1 stages while chunk i reduces (TORCH_HCA_CUDA_SLOTS, default 4)."""
-    return _env_int("CUDA_SLOTS", 4, 2, environ)
+    return _env_int("CUDA_SLOTS", 4, 2, environ, MAX_SLOTS)
 
 
 def cpu_executor(environ=None) -> str:

@@ -206,7 +206,7 @@ PYBIND11_MODULE(_C, m) {
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& mine,
          int64_t timeout_ms) {
         StoreRendezvous rendezvous(store);
-        return exchange_node_identities(rendezvous, rank, size, mine, static_cast<int>(timeout_ms));
+        return exchange_node_identities(rendezvous, rank, size, mine, std::chrono::milliseconds(timeout_ms));
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());

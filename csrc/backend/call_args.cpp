@@ -2,7 +2,39 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace hca {
+namespace {
+
+// ValueError naming two of `tensors` that share memory, unless `may_alias`
+// accepts them. Only tensors addressed as given (contiguous ones) count: the
+// others are read into dense copies before the call and written back after it.
+void check_own_memory(const char* name, const std::vector<at::Tensor>& tensors, const MayAlias& may_alias) {
+  std::vector<size_t> direct;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].numel() > 0 && tensors[i].is_contiguous()) direct.push_back(i);
+  }
+  auto first = [&](size_t i) { return static_cast<const char*>(tensors[i].data_ptr()); };
+  auto end = [&](size_t i) { return first(i) + tensors[i].nbytes(); };
+  std::sort(direct.begin(), direct.end(), [&](size_t a, size_t b) { return first(a) < first(b); });
+  for (size_t k = 0; k < direct.size(); ++k) {
+    for (size_t m = k + 1; m < direct.size() && first(direct[m]) < end(direct[k]); ++m) {
+      const size_t i = std::min(direct[k], direct[m]), j = std::max(direct[k], direct[m]);
+      if (may_alias && may_alias(tensors, i, j)) continue;
+      TORCH_CHECK_VALUE(false, "hca ", name, ": tensors ", i, " and ", j, " of the call share memory (the same tensor "
+                        "twice, or overlapping views): each must have memory of its own");
+    }
+  }
+}
+
+// Whether `part` is exactly chunk `index` of the contiguous `whole`.
+bool is_chunk(const at::Tensor& part, const at::Tensor& whole, int index) {
+  return part.is_contiguous() && whole.is_contiguous() && part.scalar_type() == whole.scalar_type() &&
+         part.data_ptr() == byte_offset(whole, index * part.numel());
+}
+
+}  // namespace
 
 DType plan_dtype(at::ScalarType type, const char* op) {
   switch (type) {
@@ -34,7 +66,8 @@ char* byte_offset(const at::Tensor& t, int64_t elements) {
   return static_cast<char*>(t.data_ptr()) + elements * static_cast<int64_t>(t.element_size());
 }
 
-CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors) : name_(name), original_(tensors) {
+CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, const MayAlias& may_alias)
+    : name_(name), original_(tensors) {
   descs_.reserve(tensors.size());
   dense_.reserve(tensors.size());
   for (const auto& t : tensors) {
@@ -46,6 +79,7 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors) : n
     descs_.push_back({plan_dtype(t.scalar_type(), name), static_cast<size_t>(t.numel())});
     dense_.push_back(t.is_contiguous() ? t : t.contiguous());
   }
+  check_own_memory(name, tensors, may_alias);
   if (!tensors.empty()) device_ = tensors[0].device();
 }
 
@@ -116,20 +150,26 @@ void CallArgs::write_back() const {
 
 namespace {
 
-CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs) {
+// `in_place(output, input)`: whether that pair is the collective's in-place form.
+CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                     const std::function<bool(const at::Tensor&, const at::Tensor&)>& in_place) {
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "hca ", name, ": ", outputs.size(), " outputs for ", inputs.size(),
                     " inputs");
   check_nonempty(inputs.size(), "the input list", name);
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  return CallArgs(name, all);
+  const size_t n = outputs.size();
+  return CallArgs(name, all, [n, &in_place](const std::vector<at::Tensor>& t, size_t i, size_t j) {
+    return j == i + n && in_place(t[i], t[j]);
+  });
 }
 
 }  // namespace
 
-CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int rank,
                                int size) {
-  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs);
+  CallArgs args = paired_args("allgather_into_tensor", outputs, inputs,
+                              [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(in, out, rank); });
   const size_t n = outputs.size();
   for (size_t i = 0; i < n; ++i) {
     args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * size, "the output");
@@ -138,8 +178,9 @@ CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std
 }
 
 CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                                    int size) {
-  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs);
+                                    int rank, int size) {
+  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs,
+                              [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(out, in, rank); });
   const size_t n = outputs.size();
   for (size_t i = 0; i < n; ++i) {
     args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * size, "the input");
@@ -151,7 +192,8 @@ bool is_sparse_call(const std::vector<at::Tensor>& tensors) {
   return tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided;
 }
 
-CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size) {
+CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int rank,
+                             int size) {
   TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
                     "output list, got ", inputs.size(), " and ", outputs.size());
   auto& list = outputs[0];
@@ -159,8 +201,10 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
                     " tensors, expected one per rank (", size, ")");
   std::vector<at::Tensor> all = list;
   all.push_back(inputs[0]);
-  CallArgs args("allgather", all);
   const size_t input = list.size();
+  CallArgs args("allgather", all, [input, rank](const std::vector<at::Tensor>& t, size_t i, size_t j) {
+    return j == input && i == static_cast<size_t>(rank) && is_chunk(t[j], t[i], 0) && t[i].numel() == t[j].numel();
+  });
   for (size_t j = 0; j < list.size(); ++j) {
     args.check_like(j, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
   }
@@ -175,7 +219,8 @@ at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::
                     inputs[0].size(), " tensors, expected one per rank (", size, ")");
   std::vector<at::Tensor> all{outputs[0]};
   all.insert(all.end(), inputs[0].begin(), inputs[0].end());
-  const CallArgs checked("reduce_scatter", all);
+  // The inputs are copied before anything is written: they may share memory with anything.
+  const CallArgs checked("reduce_scatter", all, [](const std::vector<at::Tensor>&, size_t, size_t) { return true; });
   for (size_t j = 1; j < all.size(); ++j) {
     checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
   }

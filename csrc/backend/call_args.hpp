@@ -1,11 +1,12 @@
 // A call's tensors read once: each checked (dense layout, supported dtype, one
-// device), described for the plan, made addressable (contiguous copies of
+// device, memory of its own), described for the plan, made addressable (contiguous copies of
 // non-contiguous tensors, written back afterwards), and summarised as text.
 // Errors become Python exceptions: TypeError for dtypes, ValueError for values.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -14,10 +15,16 @@
 
 namespace hca {
 
+// Whether tensors i < j of a call may share memory: the collective's in-place form.
+using MayAlias = std::function<bool(const std::vector<at::Tensor>& tensors, size_t i, size_t j)>;
+
 class CallArgs {
  public:
-  // `tensors` are every tensor the call touches (outputs, then inputs).
-  CallArgs(const char* name, const std::vector<at::Tensor>& tensors);
+  // `tensors` are every tensor the call touches (outputs, then inputs). Two
+  // contiguous ones sharing memory is a ValueError unless `may_alias` accepts
+  // the pair: a step could read what an earlier step of the call wrote (the same
+  // tensor twice in allreduce_coalesced would be summed twice).
+  CallArgs(const char* name, const std::vector<at::Tensor>& tensors, const MayAlias& may_alias = nullptr);
 
   const char* name() const { return name_; }
   // The tensors' device (CPU for a call without tensors).
@@ -52,16 +59,21 @@ void check_nonempty(size_t count, const char* what, const char* op);
 void check_rank(int64_t rank, int size, const char* what, const char* op);
 // The paired forms, output i for input i: as many outputs as inputs, at least
 // one, each of the input's dtype; the call's arguments, the outputs first.
-// allgather_into_tensor: each output holds `size` inputs.
-CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int size);
-// reduce_scatter_tensor: each input holds `size` outputs.
+// allgather_into_tensor: each output holds `size` inputs (in place: the input
+// is the output's chunk `rank`).
+CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int rank,
+                               int size);
+// reduce_scatter_tensor: each input holds `size` outputs (in place: the output
+// is the input's chunk `rank`).
 CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                                    int size);
+                                    int rank, int size);
 // A call of one sparse tensor (allreduce's sparse form).
 bool is_sparse_call(const std::vector<at::Tensor>& tensors);
 // allgather's list form checked (one input, one output list of one tensor per
-// rank, each like the input): the call's arguments, the list first, the input last.
-CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int size);
+// rank, each like the input; in place: the input is output `rank`): the call's
+// arguments, the list first, the input last.
+CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int rank,
+                             int size);
 // reduce_scatter's list form checked (one output, one input per rank, each like
 // the output) and its inputs stacked into one tensor (a copy).
 at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,

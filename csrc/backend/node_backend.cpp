@@ -297,7 +297,7 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_list_args(outputs, inputs, getSize());
+  CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
   auto& list = outputs[0];
   const size_t input = list.size();
   const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
@@ -321,7 +321,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_tensor_args(outputs, inputs, getSize());
+  CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
   const size_t n = outputs.size();
   check_device(args.device(), "allgather_into_tensor");
   auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
@@ -351,7 +351,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getSize());
+  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
   args.reduce_op(opts.reduceOp);
   const size_t n = outputs.size();
   check_device(args.device(), "reduce_scatter_tensor");

@@ -190,7 +190,7 @@ Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t ou
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_list_args(outputs, inputs, getSize());
+  CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
   auto& list = outputs[0];
   const size_t input = list.size();
   const at::Tensor& in = args.dense()[input];
@@ -212,7 +212,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_tensor_args(outputs, inputs, getSize());
+  CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
   return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
@@ -246,7 +246,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor&
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getSize());
+  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) {

@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "control/wait.h"
+
 namespace hca {
 
 void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& cause) {
@@ -16,25 +18,26 @@ void check_setup_failure(Rendezvous& rendezvous) {
   if (rendezvous.has(kSetupFailedKey)) throw std::runtime_error("hca: " + rendezvous.get(kSetupFailedKey));
 }
 
-void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, int timeout_ms, const std::string& what) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std::chrono::milliseconds timeout,
+                 const std::string& what) {
+  const auto deadline = deadline_after(timeout);
   while (!ready()) {
     check_setup_failure(rendezvous);
-    if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error(what + " within " + std::to_string(timeout_ms) + " ms");
+    if (Clock::now() > deadline) {
+      throw std::runtime_error(what + " within " + std::to_string(timeout.count()) + " ms");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 
 std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
-                                                  int timeout_ms) {
+                                                  std::chrono::milliseconds timeout) {
   const std::string prefix = "hca_node_identity/";
   rendezvous.set(prefix + std::to_string(rank), mine);
   std::vector<std::string> identities;
   for (int r = 0; r < world; ++r) {
     const std::string key = prefix + std::to_string(r);
-    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
+    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
                 "hca: rank " + std::to_string(r) + " did not announce its node");
     identities.push_back(rendezvous.get(key));
   }

@@ -1,6 +1,7 @@
 // What a transport needs from the process group's key-value store to set itself
 // up. The c10d glue adapts c10d::Store to it; transports never see torch.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -27,11 +28,12 @@ void publish_setup_failure(Rendezvous& rendezvous, int rank, const std::string& 
 void check_setup_failure(Rendezvous& rendezvous);
 // Polls `ready` every millisecond until it holds; throws a peer's published
 // setup failure at once, and `what` + " within N ms" at the deadline.
-void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, int timeout_ms, const std::string& what);
+void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std::chrono::milliseconds timeout,
+                 const std::string& what);
 
 // Every rank's node identity (`mine` on this rank), in rank order: ranks that
 // pass equal identities share a node (its memory, its devices).
 std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
-                                                  int timeout_ms);
+                                                  std::chrono::milliseconds timeout);
 
 }  // namespace hca

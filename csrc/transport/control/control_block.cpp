@@ -23,7 +23,7 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
     for (int r = 0; r < world; ++r) new (base + slots_offset_ + r * sizeof(RankSlot)) RankSlot{};
   };
   segment_ = std::make_unique<SharedSegment>(rendezvous, "hca_control", rank, world, bytes,
-                                             std::to_string(bytes) + " bytes", static_cast<int>(timeout.count()),
+                                             std::to_string(bytes) + " bytes", timeout,
                                              initialize,
                                              "every rank must run the same torch_hca build");
   const auto& header = *reinterpret_cast<const ControlHeader*>(segment_->data());
@@ -80,7 +80,7 @@ WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milli
                   "this process group is unusable after an earlier error: " +
                       std::string(mine.failure, strnlen(mine.failure, kSignatureBytes)));
   }
-  return {Clock::now() + timeout, operation, timeout};
+  return {deadline_after(timeout), operation, timeout};
 }
 
 void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
@@ -104,7 +104,7 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
 
 void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all) {
   const uint64_t n = ++monitored_;
-  const WaitContext ctx{Clock::now() + timeout, "monitoredBarrier #" + std::to_string(n), timeout};
+  const WaitContext ctx{deadline_after(timeout), "monitoredBarrier #" + std::to_string(n), timeout};
   const std::string ms = std::to_string(timeout.count()) + " ms";
   RankSlot& mine = slot(rank_);
   // The messages follow gloo's, which tools and torch's tests match.

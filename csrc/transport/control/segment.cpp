@@ -40,8 +40,17 @@ char* map(int fd, size_t bytes) {
 
 }  // namespace
 
+size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what) {
+  size_t ab = 0, abc = 0;
+  if (__builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(ab, c, &abc)) {
+    throw std::invalid_argument("hca: " + what + " is " + std::to_string(a) + " x " + std::to_string(b) + " x " +
+                                std::to_string(c) + " bytes, more than a size_t holds");
+  }
+  return abc;
+}
+
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
-                             const std::string& layout, int timeout_ms, const std::function<void(char*)>& initialize,
+                             const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
                              const std::string& mismatch_hint)
     : bytes_(bytes) {
   const std::string host = hostname();
@@ -65,7 +74,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     rendezvous.set(key, host + "\n" + name + "\n" + layout);
     // Wait for every other rank to attach, then drop the name.
     try {
-      await_setup(rendezvous, [&] { return rendezvous.add(key + "_attached", 0) >= world - 1; }, timeout_ms,
+      await_setup(rendezvous, [&] { return rendezvous.add(key + "_attached", 0) >= world - 1; }, timeout,
                   "hca shared memory: not every rank attached to " + name);
     } catch (...) {
       shm_unlink(name.c_str());
@@ -75,7 +84,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     }
     shm_unlink(name.c_str());
   } else {
-    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout_ms,
+    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
                 "hca shared memory: rank 0 did not publish the " + key + " segment");
     const std::string published = rendezvous.get(key);
     const size_t cut = published.find('\n'), cut2 = published.find('\n', cut + 1);

@@ -1,5 +1,6 @@
 // One POSIX shared-memory segment for all ranks of a group on this node.
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <string>
@@ -7,6 +8,9 @@
 #include "../rendezvous.h"
 
 namespace hca {
+
+// a * b * c bytes; throws std::invalid_argument naming `what` if it does not fit a size_t.
+size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what);
 
 class SharedSegment {
  public:
@@ -18,7 +22,7 @@ class SharedSegment {
   // layout fails with `mismatch_hint` in the message (which setting must agree
   // across ranks): two layouts of the same size would otherwise corrupt silently.
   SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
-                const std::string& layout, int timeout_ms, const std::function<void(char*)>& initialize,
+                const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
                 const std::string& mismatch_hint);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;

@@ -20,6 +20,13 @@ struct WaitContext {
   std::chrono::milliseconds timeout;
 };
 
+// Now + timeout, saturated (users pass huge timeouts to mean "never").
+inline Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  const auto now = Clock::now();
+  const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
+  return timeout >= room ? Clock::time_point::max() : now + timeout;
+}
+
 // Throw hca::Failure naming the operation and the rank.
 [[noreturn]] void throw_timeout(const WaitContext& ctx, int peer);
 [[noreturn]] void throw_dead(const WaitContext& ctx, int peer, int pid);

@@ -84,7 +84,7 @@ class IpcStaging {
   IpcStaging(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
              std::chrono::milliseconds timeout)
       : rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
-    const size_t bytes = config.slot_bytes * static_cast<size_t>(config.slots);
+    const size_t bytes = product_bytes(config.slot_bytes, static_cast<size_t>(config.slots), 1, "the CUDA staging");
     check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
     bases_[rank] = static_cast<char*>(own_);
     try {
@@ -144,7 +144,7 @@ class IpcStaging {
 
   void open_peer(int peer, const PeerRecord& mine, int device, std::chrono::milliseconds timeout) {
     const std::string key = "hca_cuda/" + std::to_string(peer);
-    await_setup(rendezvous_, [&] { return rendezvous_.has(key); }, static_cast<int>(timeout.count()),
+    await_setup(rendezvous_, [&] { return rendezvous_.has(key); }, timeout,
                 "rank " + std::to_string(peer) + " did not publish its CUDA staging");
     const std::string bytes = rendezvous_.get(key);
     PeerRecord theirs{};
@@ -184,7 +184,7 @@ class IpcStaging {
   // Until every rank has passed `key` (a peer's published setup failure is raised at once).
   void barrier(const std::string& key, std::chrono::milliseconds timeout) {
     rendezvous_.add(key, 1);
-    await_setup(rendezvous_, [&] { return rendezvous_.add(key, 0) >= world_; }, static_cast<int>(timeout.count()),
+    await_setup(rendezvous_, [&] { return rendezvous_.add(key, 0) >= world_; }, timeout,
                 "not every rank reached " + key);
   }
 

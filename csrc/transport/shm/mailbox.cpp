@@ -89,7 +89,7 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
   segment_ = std::make_unique<SharedSegment>(
       rendezvous, "hca_p2p", rank_, world_, channels * (sizeof(Channel) + ring_bytes_),
       std::to_string(channels) + " channels of " + std::to_string(ring_bytes_) + " bytes",
-      static_cast<int>(timeout.count()),
+      timeout,
       [&](char* base) {
         for (size_t c = 0; c < channels; ++c) new (base + c * (sizeof(Channel) + ring_bytes_)) Channel{};
       },
@@ -127,7 +127,7 @@ void Mailbox::recv(Message message) {
 
 void Mailbox::post(std::shared_ptr<Pending> p) {
   p->operation = describe(p->message, p->is_send);
-  p->deadline = Clock::now() + p->message.timeout;
+  p->deadline = deadline_after(p->message.timeout);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inbox_.push_back(std::move(p));

@@ -35,11 +35,12 @@ void HostMedium::signal(uint32_t value) {
 
 std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std::string& key, int rank, int world,
                                                size_t slot_bytes, int slots, std::chrono::milliseconds timeout) {
-  const size_t bytes = slot_bytes * static_cast<size_t>(slots) * static_cast<size_t>(world);
+  const size_t bytes = product_bytes(slot_bytes, static_cast<size_t>(slots), static_cast<size_t>(world),
+                                     "the staging (" + key + ": slot bytes x slots x ranks)");
   return std::make_unique<SharedSegment>(
       rendezvous, key, rank, world, bytes,
       std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes per rank",
-      static_cast<int>(timeout.count()), [](char*) {},
+      timeout, [](char*) {},
       "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank");
 }
 
