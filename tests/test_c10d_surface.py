@@ -1,5 +1,5 @@
 """The rest of what a gloo user calls on CPU: monitored_barrier, sequence numbers, sparse
-allreduce, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
+allreduce, groups created again on one store, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
 collectives that torch.compile emits), each against an independent reference."""
 import os
 import time
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import raises, run_ranks
-from reference import make_input
+from harness import STREAMS_ENV, raises, run_ranks
+from reference import make_input, mismatch, reduce_reference
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -192,3 +192,28 @@ def _functional(rank, world):
 def test_functional_collectives_eager_and_compiled(world):
     for errors in run_ranks(_functional, world, env={"TORCHINDUCTOR_CACHE_DIR": os.path.join("/tmp", "hca-inductor")}):
         assert errors == []
+
+
+def _created_again(rank, world, store_path, algorithm):
+    """init, use, destroy, init again on one store (as tests and elastic restarts do)."""
+    store = dist.FileStore(store_path, world)
+    errors = []
+    for round_ in range(3):
+        dist.destroy_process_group()
+        dist.init_process_group("hca", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20),
+                                pg_options=torch_hca.Options(algorithm=algorithm))
+        inputs = [make_input(700 + round_, r, 20_000, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        errors.append(mismatch(f"round {round_}", t, reduce_reference(inputs, "SUM"), world))
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=dist.new_group())
+        errors.append(mismatch(f"round {round_}, new group", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("algorithm, env", [("hierarchical_copy", {}), ("hierarchical_copy", STREAMS_ENV),
+                                            ("nccl", {})], ids=["shm", "streams", "nccl"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_groups_created_again_on_one_store(world, algorithm, env, tmp_path):
+    assert run_ranks(_created_again, world, str(tmp_path / "store"), algorithm, env=env) == [[]] * world

@@ -1,6 +1,7 @@
 """Bad input, mismatched calls, dead or missing peers: clear errors, no hang, nothing left in /dev/shm."""
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -246,19 +247,54 @@ def test_different_staging_across_ranks_fails_at_init(mismatch):
     assert time.monotonic() - start < 20
 
 
+# Whoever can write the store (a TCPStore takes any client) could name another segment to attach.
+SEGMENTS = {
+    "ours": ("torch_hca_test_{}", 0o600, None, None),
+    "readable by others": ("torch_hca_test_{}", 0o644, None, "mode 0644: refusing"),
+    "another prefix": ("other_test_{}", 0o600, None, "refusing"),
+    "another owner": ("torch_hca_test_{}", 0o600, 65534, "owned by uid 65534"),
+}
+
+
+@pytest.mark.parametrize("case", SEGMENTS)
+def test_only_our_own_segments_are_attached(case):
+    pattern, mode, owner, refused = SEGMENTS[case]
+    if owner is not None and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    name = pattern.format(os.getpid())
+    fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    try:
+        os.ftruncate(fd, 4096)
+        os.fchmod(fd, mode)
+        if owner is not None:
+            os.fchown(fd, owner, -1)
+        store = dist.HashStore()
+        store.set("seg", f"{socket.gethostname()}\n/{name}\ntest layout")
+        attach = lambda: torch_hca._C._attach_shared_segment(store, "seg", 1, 2, 4096, "test layout", 1000)  # noqa: E731
+        if refused is None:
+            attach()
+        else:
+            with pytest.raises(RuntimeError, match=refused):
+                attach()
+        assert store.add("seg_attached", 0) == 1  # rank 0 is never left waiting
+    finally:
+        os.close(fd)
+        os.unlink(f"/dev/shm/{name}")
+
+
 def test_too_little_shared_memory_is_named_at_init():
     # A staging ring four times the size of /dev/shm: tmpfs refuses it at once, before any page is used.
     stat = os.statvfs("/dev/shm")
     room = stat.f_blocks * stat.f_frsize
     if room == 0:
         pytest.skip("/dev/shm has no size limit here")
-    slots = 4 * room // (2 * _DEFAULT_CHUNK) + 1
+    chunk = (4 * room // (2 * _DEFAULT_SLOTS) // 4096 + 1) * 4096
     start = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        run_ranks(_first_allreduce, 2, env={"TORCH_HCA_SHM_SLOTS": str(slots)}, pg_timeout_s=30)
+        run_ranks(_first_allreduce, 2, env={"TORCH_HCA_SHM_CHUNK_BYTES": str(chunk)}, pg_timeout_s=30)
     text = str(failed.value)
     assert "in /dev/shm for the hca_shm_staging segment" in text and "No space left on device" in text, text
-    assert f"{slots} slots of {_DEFAULT_CHUNK} bytes per rank" in text and "TORCH_HCA_SHM_SLOTS" in text, text
+    assert f"{_DEFAULT_SLOTS} slots of {chunk} bytes per rank" in text and "TORCH_HCA_SHM_CHUNK_BYTES" in text, text
     assert time.monotonic() - start < 20
 
 

@@ -18,20 +18,30 @@ def create_backend(dist_backend_opts, backend_options):
     options = Options.from_env() if backend_options is None else backend_options
     if not isinstance(options, Options):
         raise TypeError(f"hca: pg_options must be torch_hca.Options, got {type(options).__name__}")
-    store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
+    store = incarnation_store(dist_backend_opts.store, rank)
     timeout_ms = int(dist_backend_opts.timeout.total_seconds() * 1000)
     if options.algorithm == "nccl":
-        cpu_engine, cuda_engine = _engines(dist_backend_opts)
+        cpu_engine, cuda_engine = _engines(dist_backend_opts, store)
         return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
                                      cpu_engine=cpu_engine, cuda_engine=cuda_engine)
     identities = _C.exchange_node_identities(store, rank, size, node_identity(), timeout_ms)
     if len(set(identities)) == 1:
         return _node_group(store, rank, size, timeout_ms, options.plan_options())
     try:
-        return _across_nodes(dist_backend_opts, options, identities, timeout_ms)
+        return _across_nodes(dist_backend_opts, store, options, identities, timeout_ms)
     except Exception as e:
         _C.publish_setup_failure(store, rank, f"{type(e).__name__}: {e}")
         raise
+
+
+def incarnation_store(store, rank):
+    """The group's keys under a prefix of their own for each time the group is created on this
+    store (init, destroy, init again on one TCPStore, as tests and elastic restarts do): the
+    previous incarnation's keys name segments that no longer exist. Every rank counts its own
+    creations, so the ranks agree without reading a shared counter someone else may bump."""
+    incarnation = store.add(f"hca_incarnation/{rank}", 1)
+    return dist.PrefixStore(f"hca/{incarnation}/", store)
 
 
 def node_identity() -> str:
@@ -48,13 +58,13 @@ def _node_group(store, rank, size, timeout_ms, plan_options):
                               cpu_executor=cpu_executor())
 
 
-def _across_nodes(dist_backend_opts, options, identities, timeout_ms):
+def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
     """hca inside this rank's node; among the node leaders of each leader position (one group
     per position: every local rank of the largest node leads one), gloo for CPU tensors and
     the `inter_node_backend` engine for CUDA tensors; over every rank, the stock engines for the
     operations that have no hierarchical form."""
     cuda_engine = _inter_node_cuda_engine(options.inter_node_backend)
-    store, rank, size = dist_backend_opts.store, dist_backend_opts.group_rank, dist_backend_opts.group_size
+    rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     members, leaders = _C.nodes(identities)
     node = next(n for n, ranks in enumerate(members) if rank in ranks)
     plan_options = options.plan_options()
@@ -70,7 +80,7 @@ def _across_nodes(dist_backend_opts, options, identities, timeout_ms):
             leader_cpu[position] = _gloo(position_store, leader_rank, len(ranks), timeout)
             if cuda_engine == "nccl":
                 leader_cuda[position] = _nccl(position_store, leader_rank, len(ranks), timeout)
-    world_cpu, world_cuda = _engines(dist_backend_opts)
+    world_cpu, world_cuda = _engines(dist_backend_opts, store)
     return _C.NodeBackend(rank=rank, size=size, timeout_ms=timeout_ms, options=plan_options,
                           node_identities=identities, local=local, leader_cpu=leader_cpu, leader_cuda=leader_cuda,
                           world_cpu=world_cpu, world_cuda=world_cuda)
@@ -97,10 +107,10 @@ def _nccl(store, rank, size, timeout):
     return dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
 
 
-def _engines(dist_backend_opts):
-    """The stock engines over every rank, on the same store, rank, world and timeout: gloo for
-    CPU tensors, ProcessGroupNCCL for CUDA tensors where torch has it and a GPU is present."""
-    store = dist.PrefixStore("engine/", dist_backend_opts.store)
+def _engines(dist_backend_opts, store):
+    """The stock engines over every rank, on the group's store (`store`), rank, world and timeout:
+    gloo for CPU tensors, ProcessGroupNCCL for CUDA tensors where torch has it and a GPU is present."""
+    store = dist.PrefixStore("engine/", store)
     rank, size, timeout = dist_backend_opts.group_rank, dist_backend_opts.group_size, dist_backend_opts.timeout
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():

@@ -21,11 +21,29 @@ std::string hostname() {
   return name;
 }
 
+constexpr char kNamePrefix[] = "/torch_hca_";
+
 std::string fresh_name() {
   std::random_device rd;
   char name[64];
-  snprintf(name, sizeof(name), "/torch_hca_%d_%08x%08x", static_cast<int>(getpid()), rd(), rd());
+  snprintf(name, sizeof(name), "%s%d_%08x%08x", kNamePrefix, static_cast<int>(getpid()), rd(), rd());
   return name;
+}
+
+// Whoever can write the store could name any segment: only one of ours, owned
+// by this user and private to it (as rank 0 creates them), is attached.
+bool our_name(const std::string& name) {
+  return name.rfind(kNamePrefix, 0) == 0 && name.find('/', 1) == std::string::npos;
+}
+
+void check_ours(const std::string& name, const struct stat& st, const std::string& key) {
+  char mode[8];
+  snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  if (!our_name(name) || st.st_uid != geteuid() || (st.st_mode & 077) != 0) {
+    throw std::runtime_error("hca shared memory: the store names '" + name + "' as the " + key + " segment, owned by uid " +
+                             std::to_string(st.st_uid) + " with mode " + mode + ": refusing it (torch_hca's segments "
+                             "are named " + kNamePrefix + "*, owned by the job's user, mode 0600)");
+  }
 }
 
 [[noreturn]] void fail(const std::string& what, int err) {
@@ -94,10 +112,18 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
       throw std::runtime_error("hca: rank 0 runs on host '" + owner_host + "' and rank " + std::to_string(rank) +
                                " on '" + host + "'; the shared-memory transport serves ranks of one node only");
     }
-    int fd = shm_open(name.c_str(), O_RDWR, 0600);
-    if (fd < 0) fail("shm_open " + name, errno);
+    int fd = our_name(name) ? shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600) : -1;
+    if (fd < 0 && our_name(name)) fail("shm_open " + name, errno);
     struct stat st {};
-    const bool same = owner_layout == layout && fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    if (fd >= 0 && fstat(fd, &st) != 0) st = {};
+    try {
+      check_ours(name, st, key);
+    } catch (...) {
+      if (fd >= 0) close(fd);
+      rendezvous.add(key + "_attached", 1);  // rank 0 must not wait for us
+      throw;
+    }
+    const bool same = owner_layout == layout && static_cast<size_t>(st.st_size) == bytes;
     if (same) base_ = map(fd, bytes);
     close(fd);
     rendezvous.add(key + "_attached", 1);  // counted either way: rank 0 must not wait for us
