@@ -1,5 +1,6 @@
 """Bad input, mismatched calls, dead or missing peers: clear errors, no hang, nothing left in /dev/shm."""
 import os
+from datetime import timedelta
 import signal
 import socket
 import time
@@ -38,7 +39,8 @@ def _bad_input(rank, world):
                               ValueError),
         "band": raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError),
         "bad src": raises(lambda: dist.broadcast(torch.ones(3), src=world + 5), ValueError),
-        "gather size": raises(lambda: dist.all_gather([torch.ones(2)] * world, torch.ones(3)), ValueError),
+        "gather size": raises(lambda: dist.all_gather([torch.ones(2) for _ in range(world)], torch.ones(3)),
+                              ValueError),
         # torch checks list dtypes itself; hca checks the flat form.
         "gather dtype": raises(lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(3, dtype=torch.int64)),
                                 ValueError),
@@ -215,6 +217,42 @@ def test_huge_timeouts_mean_never(days, executor):
     world = 2
     want = float(world * (world + 1) / 2 * world)
     assert run_ranks(_allreduce_twice, world, pg_timeout_s=days * 86400, env=executor) == [want] * world
+
+
+def _hostile_peer(rank, world, seeds):
+    """For each seed, rank 1 scribbles over its words in a fresh group's control block and over its
+    side of every channel; then every rank tries point-to-point with rank 1 and a collective.
+    Errors are expected; a crash, a hang or a huge allocation is not."""
+    outcomes = []
+    for seed in seeds:
+        group = dist.new_group(timeout=timedelta(seconds=2))  # the default group's is longer
+        dist.all_reduce(torch.ones(1), group=group)  # set up and healthy
+        if rank == 1:
+            group._get_backend(torch.device("cpu"))._scribble_for_test(seed)
+        dist.barrier()  # the default group, untouched: the scribbling is done
+        peers = [r for r in range(world) if r != rank] if rank == 1 else [1]
+        calls = {
+            "point-to-point": lambda: [w.wait() for w in
+                                       [dist.isend(torch.ones(100), p, group=group) for p in peers] +
+                                       [dist.irecv(torch.empty(100), p, group=group) for p in peers]],
+            "allreduce": lambda: dist.all_reduce(torch.ones(1000), group=group),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                outcomes.append((seed, name, "ok"))
+            except (dist.DistBackendError, ValueError, RuntimeError) as e:
+                outcomes.append((seed, name, type(e).__name__))
+        dist.barrier()
+    return outcomes
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hostile_peer_gives_errors_not_crashes(world):
+    results = run_ranks(_hostile_peer, world, list(range(12)), pg_timeout_s=60)
+    assert all(len(r) == 24 for r in results), results
+    # Most seeds break something at the victims (rank 0): the fuzz reaches the checks.
+    assert sum(outcome != "ok" for _, _, outcome in results[0]) >= 12, results[0]
 
 
 def _first_allreduce(rank, world):

@@ -195,3 +195,35 @@ def _world_of_one(rank, world):
 def test_a_world_of_one_has_nobody_to_send_to():
     msg = run_ranks(_world_of_one, 1)[0]
     assert "UNEXPECTED" not in msg, msg
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _unmatched_sends(rank, world):
+    """Rank 0 sends 4 x 16 MiB with tags nobody receives: the receiver keeps at most its early-message
+    budget (32 MiB), the rest waits in the ring, and the sends that cannot finish time out."""
+    if rank == 0:
+        dist.send(torch.ones(10), 1, tag=1)
+        works = [dist.isend(torch.ones(4 << 20), 1, tag=10 + i) for i in range(4)]
+        outcomes = []
+        for work in works:
+            try:
+                work.wait()
+                outcomes.append("sent")
+            except dist.DistBackendError as e:
+                outcomes.append(str(e))
+        return outcomes
+    dist.recv(torch.empty(10), 0, tag=1)  # the one it does receive
+    before = _rss_bytes()
+    time.sleep(4)  # longer than the group's timeout: rank 0's sends have given up by then
+    return _rss_bytes() - before
+
+
+def test_messages_nobody_receives_are_bounded():
+    outcomes, grown = run_ranks(_unmatched_sends, 2, pg_timeout_s=2)
+    assert grown < 40 << 20, f"the receiver grew by {grown >> 20} MiB"
+    assert outcomes[:2] == ["sent", "sent"], outcomes
+    assert all("send to rank 1" in o and "Timed out" in o for o in outcomes[2:]), outcomes

@@ -158,7 +158,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
            py::arg("cpu_executor") = "shm",
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); });
+      .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
+      .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"));
 
   py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
       .def(py::init([](int rank, int size, int64_t timeout_ms, const PackingOptions& packing,

@@ -28,6 +28,14 @@ void check_own_memory(const char* name, const std::vector<at::Tensor>& tensors, 
   }
 }
 
+}  // namespace
+
+MayAlias inputs_from(size_t first_input) {
+  return [first_input](const std::vector<at::Tensor>&, size_t i, size_t) { return i >= first_input; };
+}
+
+namespace {
+
 // Whether `part` is exactly chunk `index` of the contiguous `whole`.
 bool is_chunk(const at::Tensor& part, const at::Tensor& whole, int index) {
   return part.is_contiguous() && whole.is_contiguous() && part.scalar_type() == whole.scalar_type() &&
@@ -160,7 +168,7 @@ CallArgs paired_args(const char* name, const std::vector<at::Tensor>& outputs, c
   all.insert(all.end(), inputs.begin(), inputs.end());
   const size_t n = outputs.size();
   return CallArgs(name, all, [n, &in_place](const std::vector<at::Tensor>& t, size_t i, size_t j) {
-    return j == i + n && in_place(t[i], t[j]);
+    return i >= n || (j == i + n && in_place(t[i], t[j]));
   });
 }
 

@@ -18,6 +18,10 @@ namespace hca {
 // Whether tensors i < j of a call may share memory: the collective's in-place form.
 using MayAlias = std::function<bool(const std::vector<at::Tensor>& tensors, size_t i, size_t j)>;
 
+// Accepts pairs of read-only inputs (tensors from `first_input` on): reading one
+// tensor twice is harmless.
+MayAlias inputs_from(size_t first_input);
+
 class CallArgs {
  public:
   // `tensors` are every tensor the call touches (outputs, then inputs). Two

@@ -46,7 +46,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<a
   }
   const size_t input = all.size();
   all.push_back(inputs[0]);
-  CallArgs args("gather", all);
+  CallArgs args("gather", all, inputs_from(input));
   const int64_t numel = static_cast<int64_t>(args.descs()[input].numel);
   for (size_t j = 0; j < input; ++j) args.check_like(j, input, numel, "a gather_list tensor");
   std::vector<TensorSpan> spans;
@@ -76,7 +76,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>&
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "hca scatter: only the src rank passes a scatter_list");
   }
-  CallArgs args("scatter", all);
+  CallArgs args("scatter", all, inputs_from(1));
   const int64_t numel = static_cast<int64_t>(args.descs()[0].numel);
   for (size_t j = 1; j < all.size(); ++j) args.check_like(j, 0, numel, "a scatter_list tensor");
   std::vector<TensorSpan> spans;
@@ -134,7 +134,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& output_splits,
                                                               std::vector<int64_t>& input_splits,
                                                               const c10d::AllToAllOptions& opts) {
-  CallArgs args("alltoall_base", {output, input});
+  CallArgs args("alltoall_base", {output, input}, inputs_from(1));
   args.check_like(0, 1, output.numel(), "the output");
   const int world = getSize();
   const auto in_rows = rows_per_rank(input, input_splits, world, "input");
@@ -169,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
                     inputs.size(), " and ", outputs.size());
   std::vector<at::Tensor> all = outputs;
   all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("alltoall", all);
+  CallArgs args("alltoall", all, inputs_from(outputs.size()));
   std::vector<int64_t> sends, expects;
   std::vector<const void*> sources;
   std::vector<void*> targets;
@@ -201,7 +201,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
   results = all;
   const size_t first_input = all.size(), k = inputs.size();
   all.insert(all.end(), inputs.begin(), inputs.end());
-  CallArgs args("allgather_coalesced", all);
+  CallArgs args("allgather_coalesced", all, inputs_from(first_input));
   std::vector<Collective> cs;
   for (size_t t = 0; t < k; ++t) {
     const size_t input = first_input + t;

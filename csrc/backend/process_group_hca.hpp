@@ -36,6 +36,12 @@ class ProcessGroupHCA : public c10d::Backend {
 
   const std::string getBackendName() const override { return "hca"; }
   const PlanOptions& options() const { return options_; }
+  // Tests: this rank's words in the control block and its channels scribbled
+  // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
+  void scribble_for_test(uint64_t seed) {
+    control_->scribble_for_test(seed);
+    mailbox_->scribble_for_test(seed);
+  }
   // Breaks the group with `cause` (the first one wins): peers waiting on this
   // rank raise it, and this rank's later calls say the group is unusable. For
   // failures outside the node's media, e.g. of the stage between nodes.

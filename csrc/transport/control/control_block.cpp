@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <random>
 #include <new>
 
 namespace hca {
@@ -38,6 +39,20 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
   slot(rank).pid = static_cast<int32_t>(getpid());
 }
 
+namespace {
+
+// Text from a slot, which another process wrote: bounded, and printable ASCII
+// only (it ends up in a Python exception's message, which must decode).
+std::string slot_text(const char* text) {
+  std::string out(text, strnlen(text, kSignatureBytes));
+  for (char& c : out) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return out;
+}
+
+}  // namespace
+
 RankSlot& ControlBlock::slot(int rank) const {
   return reinterpret_cast<RankSlot*>(segment_->data() + slots_offset_)[rank];
 }
@@ -45,8 +60,7 @@ RankSlot& ControlBlock::slot(int rank) const {
 void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
   throw Failure(FailureKind::PeerFailed, ctx.operation, peer,
-                "rank " + std::to_string(peer) + " failed: " +
-                    std::string(theirs.failure, strnlen(theirs.failure, kSignatureBytes)));
+                "rank " + std::to_string(peer) + " failed: " + slot_text(theirs.failure));
 }
 
 template <class Ready>
@@ -77,8 +91,7 @@ WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milli
   const RankSlot& mine = slot(rank_);
   if (mine.failed.load(std::memory_order_acquire)) {
     throw Failure(FailureKind::Unusable, operation, -1,
-                  "this process group is unusable after an earlier error: " +
-                      std::string(mine.failure, strnlen(mine.failure, kSignatureBytes)));
+                  "this process group is unusable after an earlier error: " + slot_text(mine.failure));
   }
   return {deadline_after(timeout), operation, timeout};
 }
@@ -97,7 +110,7 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
     if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
       throw Failure(FailureKind::Mismatch, "collective #" + std::to_string(n), peer,
                     "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
-                        std::to_string(peer) + " called " + theirs.signature[n % 2]);
+                        std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
     }
   }
 }
@@ -139,6 +152,22 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
                   (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " + ms);
   }
   mine.monitored.store(n, std::memory_order_release);
+}
+
+void ControlBlock::scribble_for_test(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RankSlot& mine = slot(rank_);
+  auto text = [&](char* to) {
+    for (size_t i = 0; i < kSignatureBytes; ++i) to[i] = static_cast<char>(1 + rng() % 255);
+  };
+  text(mine.signature[0]);
+  text(mine.signature[1]);
+  text(mine.failure);
+  if (rng() % 2) mine.started.store(rng() % 2 ? rng() : mine.started.load() + 1 + rng() % 3);
+  if (rng() % 2) mine.failed.store(static_cast<uint32_t>(rng()));
+  for (auto& line : mine.progress) {
+    if (rng() % 2) line.value.store(static_cast<uint32_t>(rng()));
+  }
 }
 
 void ControlBlock::publish_failure(const Failure& failure) {

@@ -98,6 +98,10 @@ class ControlBlock {
   // Records this rank's first failure, so that ranks waiting on it report the cause.
   void publish_failure(const Failure& failure);
 
+  // Tests: random words and text (no NUL) in this rank's slot, as a broken or
+  // hostile peer would leave them; the ranks reading them must not crash.
+  void scribble_for_test(uint64_t seed);
+
   // The mapping, for registering it with a device.
   char* data() const { return segment_->data(); }
   size_t size() const { return segment_->size(); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <random>
 #include <stdexcept>
 
 #include "../control/wait.h"
@@ -12,6 +13,8 @@ namespace {
 
 constexpr uint32_t kFrameMagic = 0x70326870;  // "ph2p"
 constexpr auto kCheckEvery = std::chrono::milliseconds(20);
+constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;  // what a frame may claim
+constexpr size_t kStashBytes = 32u << 20;  // early messages held per group, at most
 
 struct Frame {
   uint32_t magic;
@@ -34,6 +37,32 @@ std::string describe(const Message& m, bool is_send) {
 // Whether a receive takes a frame from `src` with `tag`.
 bool wants(const Message& m, int src, int tag) { return (m.peer < 0 || m.peer == src) && m.tag == tag; }
 
+// Throws Failure naming `src` unless what it wrote into its frame could be ours.
+void check_frame(const Frame& frame, int src) {
+  const bool known = frame.dtype <= static_cast<uint32_t>(DType::Bool);
+  const char* wrong = frame.magic != kFrameMagic                               ? "a corrupt message"
+                      : !known                                                 ? "a message of an unknown dtype"
+                      : frame.bytes > kMaxMessageBytes                         ? "a message larger than 1 TiB"
+                      : frame.bytes % element_size(static_cast<DType>(frame.dtype)) ? "a message of a partial element"
+                                                                                     : nullptr;
+  if (wrong) {
+    throw Failure(FailureKind::Mismatch, "recv from rank " + std::to_string(src), src,
+                  std::string(wrong) + " arrived from rank " + std::to_string(src) +
+                      " (its memory is corrupt, or it runs another torch_hca build)");
+  }
+}
+
+// Throws Failure naming `peer` if the counters of a channel cannot be right:
+// more bytes in flight than the ring holds (a peer wrote a wrong count).
+void check_in_flight(uint64_t written, uint64_t read, size_t ring_bytes, int peer, const char* which) {
+  if (written - read > ring_bytes) {
+    throw Failure(FailureKind::Mismatch, "point-to-point with rank " + std::to_string(peer), peer,
+                  std::string("the channel ") + which + " rank " + std::to_string(peer) + " says " +
+                      std::to_string(written - read) + " bytes are in flight in a ring of " +
+                      std::to_string(ring_bytes) + " (its memory is corrupt)");
+  }
+}
+
 // Null if the frame fits the receive, else std::invalid_argument saying why not.
 std::exception_ptr misfit(const Frame& frame, const Message& m, int src) {
   const auto dtype = static_cast<DType>(frame.dtype);
@@ -42,6 +71,19 @@ std::exception_ptr misfit(const Frame& frame, const Message& m, int src) {
       "rank " + std::to_string(src) + " sent " + std::to_string(frame.bytes / element_size(dtype)) + " x " +
       dtype_name(dtype) + " with tag " + std::to_string(frame.tag) + ", but this recv expects " +
       std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype)));
+}
+
+void ring_write(char* ring, size_t ring_bytes, uint64_t at, const char* from, size_t n) {
+  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
+  std::memcpy(ring + pos, from, first);
+  std::memcpy(ring, from + first, n - first);
+}
+
+void ring_read(const char* ring, size_t ring_bytes, uint64_t at, char* to, size_t n) {
+  if (!to) return;
+  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
+  std::memcpy(to, ring + pos, first);
+  std::memcpy(to + first, ring, n - first);
 }
 
 }  // namespace
@@ -72,6 +114,7 @@ struct Mailbox::Stash {
 struct Mailbox::Incoming {
   Frame frame{};
   size_t frame_got = 0, payload_got = 0;
+  bool parked = false;  // no receive wants it yet, and it is too big to stash: left in the ring
   char* dest = nullptr;  // where the payload goes; null: discarded
   std::shared_ptr<Pending> target;
   std::shared_ptr<Stash> stash;
@@ -110,6 +153,23 @@ Mailbox::Channel& Mailbox::channel(int src, int dst) const {
   return *reinterpret_cast<Channel*>(segment_->data() + index * (sizeof(Channel) + ring_bytes_));
 }
 
+void Mailbox::scribble_for_test(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    Channel& out = channel(rank_, peer);
+    const uint64_t written = out.written.bytes.load();
+    Frame frame{rng() % 4 ? kFrameMagic : static_cast<uint32_t>(rng()), static_cast<int32_t>(rng() % 3),
+                static_cast<uint32_t>(rng() % 12), 0, rng() % 3 ? rng() % 4096 : rng()};
+    ring_write(out.ring(), ring_bytes_, written, reinterpret_cast<const char*>(&frame), sizeof(frame));
+    for (size_t i = sizeof(frame); i < 256; ++i) out.ring()[(written + i) % ring_bytes_] = static_cast<char>(rng());
+    const uint64_t claims[] = {written + sizeof(frame), written + 1 + rng() % 256, rng(), written - 1 - rng() % 64};
+    out.written.bytes.store(claims[rng() % 4]);
+    Channel& in = channel(peer, rank_);
+    if (rng() % 2) in.read.bytes.store(rng() % 2 ? rng() : in.read.bytes.load() + ring_bytes_ + 1 + rng() % 64);
+  }
+}
+
 void Mailbox::send(Message message) {
   auto p = std::make_shared<Pending>();
   p->is_send = true;
@@ -141,23 +201,6 @@ void Mailbox::complete(const std::shared_ptr<Pending>& p, int peer, std::excepti
   if (done) done(peer, std::move(error));
 }
 
-namespace {
-
-void ring_write(char* ring, size_t ring_bytes, uint64_t at, const char* from, size_t n) {
-  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
-  std::memcpy(ring + pos, from, first);
-  std::memcpy(ring, from + first, n - first);
-}
-
-void ring_read(const char* ring, size_t ring_bytes, uint64_t at, char* to, size_t n) {
-  if (!to) return;
-  const size_t pos = at % ring_bytes, first = std::min(n, ring_bytes - pos);
-  std::memcpy(to, ring + pos, first);
-  std::memcpy(to + first, ring, n - first);
-}
-
-}  // namespace
-
 void Mailbox::accept(std::shared_ptr<Pending> p) {
   if (broken_) return complete(p, p->message.peer, broken_);
   if (p->is_send) return outgoing_[p->message.peer].push_back(std::move(p));
@@ -169,7 +212,35 @@ void Mailbox::accept(std::shared_ptr<Pending> p) {
     found->claimed = std::move(p);  // delivered when its last byte arrives
     return;
   }
-  posted_.push_back(std::move(p));
+  if (!take_parked(p)) posted_.push_back(std::move(p));
+}
+
+bool Mailbox::take_parked(const std::shared_ptr<Pending>& p) {
+  for (int src = 0; src < world_; ++src) {
+    Incoming& in = incoming_[src];
+    if (!in.parked || (p->message.peer >= 0 && p->message.peer != src)) continue;
+    in.parked = false;
+    if (!wants(p->message, src, in.frame.tag)) {
+      stash(src);  // whatever its size: a frame behind it may be the one this receive wants
+      continue;
+    }
+    if (auto error = misfit(in.frame, p->message, src)) {
+      complete(p, src, error);  // the payload is drained and dropped
+    } else {
+      in.dest = static_cast<char*>(p->message.data);
+      in.target = p;
+    }
+    return true;
+  }
+  return false;
+}
+
+void Mailbox::stash(int src) {
+  Incoming& in = incoming_[src];
+  in.stash = std::make_shared<Stash>(Stash{src, in.frame, std::unique_ptr<char[]>(new char[in.frame.bytes])});
+  in.dest = in.stash->data.get();
+  stashed_.push_back(in.stash);
+  stashed_bytes_ += in.frame.bytes;
 }
 
 bool Mailbox::pump_send(int dst) {
@@ -183,6 +254,7 @@ bool Mailbox::pump_send(int dst) {
     const size_t total = sizeof(Frame) + p.message.bytes;
     while (p.sent < total) {
       const uint64_t read = ch.read.bytes.load(std::memory_order_acquire);
+      check_in_flight(written, read, ring_bytes_, dst, "to");
       const size_t space = ring_bytes_ - static_cast<size_t>(written - read);
       if (space == 0) return moved;
       const bool in_frame = p.sent < sizeof(Frame);
@@ -208,6 +280,8 @@ bool Mailbox::pump_recv(int src) {
   for (uint64_t written = ch.written.bytes.load(std::memory_order_acquire); written != read;
        written = ch.written.bytes.load(std::memory_order_acquire)) {
     Incoming& in = incoming_[src];
+    if (in.parked) break;
+    check_in_flight(written, read, ring_bytes_, src, "from");
     const size_t available = static_cast<size_t>(written - read);
     if (in.frame_got < sizeof(Frame)) {
       const size_t n = std::min(available, sizeof(Frame) - in.frame_got);
@@ -230,10 +304,7 @@ bool Mailbox::pump_recv(int src) {
 
 void Mailbox::on_frame(int src) {
   Incoming& in = incoming_[src];
-  if (in.frame.magic != kFrameMagic) {
-    throw Failure(FailureKind::Mismatch, "recv from rank " + std::to_string(src), src,
-                  "a corrupt message arrived (every rank must run the same torch_hca build)");
-  }
+  check_frame(in.frame, src);
   for (auto it = posted_.begin(); it != posted_.end(); ++it) {
     if (!wants((*it)->message, src, in.frame.tag)) continue;
     auto p = std::move(*it);
@@ -243,9 +314,12 @@ void Mailbox::on_frame(int src) {
     in.target = std::move(p);
     return;
   }
-  in.stash = std::make_shared<Stash>(Stash{src, in.frame, std::make_unique<char[]>(in.frame.bytes)});
-  in.dest = in.stash->data.get();
-  stashed_.push_back(in.stash);
+  // Nobody waits for it yet: kept aside if it fits what early messages may hold.
+  if (in.frame.bytes > kStashBytes - std::min(kStashBytes, stashed_bytes_)) {
+    in.parked = true;
+    return;
+  }
+  stash(src);
 }
 
 void Mailbox::finish_frame(int src) {
@@ -258,6 +332,7 @@ void Mailbox::finish_frame(int src) {
 }
 
 void Mailbox::deliver(const Stash& stash, const std::shared_ptr<Pending>& p) {
+  stashed_bytes_ -= stash.frame.bytes;
   if (auto error = misfit(stash.frame, p->message, stash.src)) return complete(p, stash.src, error);
   std::memcpy(p->message.data, stash.data.get(), stash.frame.bytes);
   complete(p, stash.src, nullptr);
@@ -306,6 +381,7 @@ void Mailbox::fail_everything(const std::exception_ptr& error) {
   for (auto& p : posted_) complete(p, p->message.peer, error);
   posted_.clear();
   stashed_.clear();
+  stashed_bytes_ = 0;
 }
 
 void Mailbox::loop() {
@@ -336,6 +412,11 @@ void Mailbox::loop() {
     } catch (const Failure& failure) {
       control_.publish_failure(failure);
       fail_everything(std::current_exception());
+    } catch (const std::exception& e) {  // e.g. no memory to keep an early message in
+      const Failure failure(FailureKind::Unusable, "point-to-point", -1,
+                            std::string("the point-to-point progress thread failed: ") + e.what());
+      control_.publish_failure(failure);
+      fail_everything(std::make_exception_ptr(failure));
     }
     if (moved) {
       last_moved = now;

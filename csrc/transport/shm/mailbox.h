@@ -7,8 +7,12 @@
 // One progress thread per process group moves every send and receive at once
 // (isend/irecv and batch_isend_irecv in any order the two sides agree on).
 // Frames are matched to receives by (source, tag) in arrival order; a frame
-// nobody waits for yet is drained into a private buffer, so senders never wait
-// for the receiver to post. Sends and receives are independent of the
+// nobody waits for yet is drained into a private buffer while those hold less
+// than kStashBytes, so small sends need not wait for the receiver to post; a
+// larger one stays in the ring (its sender waits, as with gloo's rendezvous)
+// until a receive from that rank is posted: if that receive wants a later
+// frame, the parked one is stashed after all (the program's order needs it).
+// Sends and receives are independent of the
 // collective queue, as in gloo.
 #pragma once
 #include <chrono>
@@ -54,6 +58,10 @@ class Mailbox {
   void send(Message message);
   void recv(Message message);
 
+  // Tests: what a broken or hostile peer could write into its side of every
+  // channel (counters, frames, bytes); the peers reading them must not crash.
+  void scribble_for_test(uint64_t seed);
+
  private:
   struct Channel;
   struct Pending;
@@ -67,6 +75,11 @@ class Mailbox {
   bool pump_recv(int src);
   void on_frame(int src);
   void finish_frame(int src);
+  // Gives a frame parked in the ring to receive `pending` if it wants it (else
+  // stashes the parked frames it could take from, to reach those behind them).
+  bool take_parked(const std::shared_ptr<Pending>& pending);
+  // Keeps the incoming frame from `src` in a buffer of its own until a receive takes it.
+  void stash(int src);
   // Completes receive `pending` with a stashed frame that has fully arrived.
   void deliver(const Stash& stash, const std::shared_ptr<Pending>& pending);
   void check_deadlines();
@@ -90,6 +103,7 @@ class Mailbox {
   std::vector<Incoming> incoming_;  // per source
   std::vector<std::shared_ptr<Pending>> posted_;  // receives not matched yet, in posting order
   std::vector<std::shared_ptr<Stash>> stashed_;   // frames nobody waited for, in arrival order
+  size_t stashed_bytes_ = 0;
   std::exception_ptr broken_;  // once set, every message fails with it
 };
 
