@@ -3,6 +3,7 @@ import os
 from datetime import timedelta
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -318,6 +319,25 @@ def test_only_our_own_segments_are_attached(case):
     finally:
         os.close(fd)
         os.unlink(f"/dev/shm/{name}")
+
+
+def test_segments_left_by_a_creator_that_died_are_swept_at_init():
+    # Rank 0 killed between creating a segment and every rank attaching leaves it named in
+    # /dev/shm; the next group created on this machine removes it (and only it).
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    namespace = os.readlink("/proc/self/ns/pid")[len("pid:["):-1]
+    stale = f"/dev/shm/torch_hca_{namespace}_{dead.pid}_00000000deadbeef"
+    live = f"/dev/shm/torch_hca_{namespace}_{os.getpid()}_00000000cafecafe"
+    try:
+        for path in (stale, live):
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        assert run_ranks(_first_allreduce, 2) == [[2.0] * 4] * 2
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_too_little_shared_memory_is_named_at_init():

@@ -1,5 +1,7 @@
 """hca across nodes: the node level of the plan, then real runs, first with nodes named by
 TORCH_HCA_NODE_ID on this host, then with each node in its own network and UTS namespace."""
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +10,7 @@ import node_cases
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
 from netns import TwoHosts, unavailable
+from torch_hca.backend import check_gloo_can_leave_this_host
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -193,3 +196,31 @@ def test_a_dead_host_is_reported_by_the_others(hosts, sizes, dying):
         assert kind == "DistBackendError", message
         assert "across nodes failed" in message and "node 0 of 2" in message
         assert seconds < 20
+
+
+def _resolver(addresses):
+    def resolve(name):
+        if addresses is None:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return addresses
+    return resolve
+
+
+# Between hosts gloo listens on what the hostname resolves to: loopback only (or nothing) strands
+# the other hosts after a long wait; it must be named at init with the fix.
+@pytest.mark.parametrize("addresses, env, refused", [
+    (["127.0.1.1"], {}, "resolves to 127.0.1.1"),
+    (["127.0.0.1", "::1"], {}, "resolves to 127.0.0.1, ::1"),
+    (None, {}, "resolves to nothing"),
+    (["10.0.0.7", "127.0.1.1"], {}, None),
+    (["127.0.1.1"], {"GLOO_SOCKET_IFNAME": "eth0"}, None),
+    (["127.0.1.1"], {"TORCH_HCA_NODE_ID": "a"}, None),  # simulated nodes share this host
+])
+def test_hosts_gloo_cannot_leave_are_named_at_init(addresses, env, refused):
+    check = lambda: check_gloo_can_leave_this_host(["host-a", "host-b"], environ=env, hostname="host-a",  # noqa: E731
+                                                   resolve=_resolver(addresses))
+    if refused is None:
+        check()
+    else:
+        with pytest.raises(ValueError, match=f"'host-a' {refused}.*GLOO_SOCKET_IFNAME"):
+            check()

@@ -4,6 +4,7 @@ every dtype, against the data each sender made; errors for misfit messages, dead
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -227,3 +228,28 @@ def test_messages_nobody_receives_are_bounded():
     assert grown < 40 << 20, f"the receiver grew by {grown >> 20} MiB"
     assert outcomes[:2] == ["sent", "sent"], outcomes
     assert all("send to rank 1" in o and "Timed out" in o for o in outcomes[2:]), outcomes
+
+
+def _pending_at_destroy(rank, world):
+    """Receives nobody sends to, posted just before their group is destroyed: every wait raises
+    at once, saying so (none may hang, whether or not the progress thread saw it)."""
+    group = dist.new_group(timeout=timedelta(seconds=20))
+    dist.barrier(group=group)
+    works = [dist.irecv(torch.empty(10), (rank + 1) % world, group=group, tag=1000 + i) for i in range(200)]
+    dist.destroy_process_group(group)
+    del group  # the last reference: the backend goes now
+    start, messages = time.monotonic(), set()
+    for work in works:
+        try:
+            work.wait()
+            messages.add("no error")
+        except dist.DistBackendError as e:
+            messages.add(str(e).split(": ", 1)[-1])
+    return sorted(messages), time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_pending_at_destroy_fail_instead_of_hanging(world):
+    for messages, elapsed in run_ranks(_pending_at_destroy, world):
+        assert messages == ["the process group was destroyed first"], messages
+        assert elapsed < 10, elapsed

@@ -1,4 +1,5 @@
 """Registers the c10d backend "hca" for CPU and CUDA devices."""
+import ipaddress
 import os
 import socket
 
@@ -69,6 +70,7 @@ def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
     node = next(n for n, ranks in enumerate(members) if rank in ranks)
     plan_options = options.plan_options()
     plan_options.validate_across_nodes(identities)
+    check_gloo_can_leave_this_host(identities)
     inside = Options(options.algorithm, num_packs=1)  # one call per pack: the node's group need not split it again
     local = _node_group(dist.PrefixStore(f"hca_node{node}/", store), members[node].index(rank), len(members[node]),
                         timeout_ms, inside.plan_options())
@@ -84,6 +86,35 @@ def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
     return _C.NodeBackend(rank=rank, size=size, timeout_ms=timeout_ms, options=plan_options,
                           node_identities=identities, local=local, leader_cpu=leader_cpu, leader_cuda=leader_cuda,
                           world_cpu=world_cpu, world_cuda=world_cuda)
+
+
+def check_gloo_can_leave_this_host(identities, environ=None, hostname=None, resolve=None):
+    """gloo finds its address by resolving the hostname; where that gives only loopback (or
+    nothing), the ranks of other hosts fail after a long wait with "Connection refused,
+    remote=[127.0.0.1]". Raises ValueError at once instead, naming the host and the fix. Ranks
+    told apart by TORCH_HCA_NODE_ID only may share a host: then loopback is right."""
+    environ = os.environ if environ is None else environ
+    if environ.get("GLOO_SOCKET_IFNAME") or environ.get("TORCH_HCA_NODE_ID", "").strip():
+        return
+    if len(set(identities)) < 2:
+        return
+    hostname = hostname or socket.gethostname()
+    resolve = resolve or (lambda name: [info[4][0] for info in socket.getaddrinfo(name, None)])
+    try:
+        addresses = set(resolve(hostname))
+    except OSError:
+        addresses = set()
+    if not addresses or all(_is_loopback(a) for a in addresses):
+        found = ", ".join(sorted(addresses)) or "nothing"
+        raise ValueError(f"hca: the ranks span hosts, but this host's name '{hostname}' resolves to {found}: "
+                         "gloo, which carries the traffic between hosts, would listen on loopback only and the "
+                         "other hosts could not connect. Set GLOO_SOCKET_IFNAME to the interface that reaches "
+                         "them (e.g. GLOO_SOCKET_IFNAME=eth0), or make the hostname resolve to a routable "
+                         "address (/etc/hosts or DNS)")
+
+
+def _is_loopback(address):
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
 
 
 def _inter_node_cuda_engine(named):

@@ -1,11 +1,14 @@
 #include "segment.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -23,11 +26,43 @@ std::string hostname() {
 
 constexpr char kNamePrefix[] = "/torch_hca_";
 
+// This process's pid namespace (its inode): pids are only comparable within one.
+std::string pid_namespace() {
+  char link[64] = {0};
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  std::string text(link, n > 0 ? static_cast<size_t>(n) : 0);  // "pid:[4026531836]"
+  const size_t open = text.find('['), close = text.find(']');
+  return open != std::string::npos && close > open ? text.substr(open + 1, close - open - 1) : "0";
+}
+
+// "/torch_hca_<pid namespace>_<creator pid>_<random>": names the creator, so
+// that a segment left by one that died before every rank attached can be swept.
 std::string fresh_name() {
   std::random_device rd;
-  char name[64];
-  snprintf(name, sizeof(name), "%s%d_%08x%08x", kNamePrefix, static_cast<int>(getpid()), rd(), rd());
+  char name[96];
+  snprintf(name, sizeof(name), "%s%s_%d_%08x%08x", kNamePrefix, pid_namespace().c_str(), static_cast<int>(getpid()),
+           rd(), rd());
   return name;
+}
+
+// Unlinks the named segments of this user whose creator, in this pid
+// namespace, is gone (rank 0 died between creating one and every rank attaching).
+void sweep_stale_segments() {
+  const std::string mine = std::string(kNamePrefix + 1) + pid_namespace() + "_";
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(mine, 0) != 0) continue;
+    const int pid = std::atoi(name.c_str() + mine.size());
+    struct stat st {};
+    if (pid <= 0 || pid == getpid() || fstatat(dirfd(dir), entry->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+        st.st_uid != geteuid() || kill(pid, 0) == 0 || errno != ESRCH) {
+      continue;
+    }
+    shm_unlink(("/" + name).c_str());
+  }
+  closedir(dir);
 }
 
 // Whoever can write the store could name any segment: only one of ours, owned
@@ -73,6 +108,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     : bytes_(bytes) {
   const std::string host = hostname();
   if (rank == 0) {
+    sweep_stale_segments();
     const std::string name = fresh_name();
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) fail("shm_open " + name, errno);

@@ -146,6 +146,13 @@ Mailbox::~Mailbox() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // Posted after the progress thread's last look at its inbox: failed like the rest.
+  for (auto& p : inbox_) complete(p, p->message.peer, destroyed());
+}
+
+std::exception_ptr Mailbox::destroyed() {
+  return std::make_exception_ptr(
+      Failure(FailureKind::Unusable, "point-to-point", -1, "the process group was destroyed first"));
 }
 
 Mailbox::Channel& Mailbox::channel(int src, int dst) const {
@@ -435,8 +442,7 @@ void Mailbox::loop() {
       wake_.wait_for(lock, pause, [&] { return stop_ || !inbox_.empty(); });
     }
   }
-  fail_everything(std::make_exception_ptr(
-      Failure(FailureKind::Unusable, "point-to-point", -1, "the process group was destroyed first")));
+  fail_everything(destroyed());
 }
 
 }  // namespace hca::shm

@@ -86,6 +86,7 @@ class Mailbox {
   bool busy() const;  // anything of ours, or a frame, in flight
   static void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
   void fail_everything(const std::exception_ptr& error);
+  static std::exception_ptr destroyed();  // what pending messages get at destruction
   Channel& channel(int src, int dst) const;
 
   ControlBlock& control_;
