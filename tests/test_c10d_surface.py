@@ -1,6 +1,7 @@
 """The rest of what a gloo user calls on CPU: monitored_barrier, sequence numbers, sparse
-allreduce, groups created again on one store, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
+allreduce, groups created again on one store, profiler traces, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
 collectives that torch.compile emits), each against an independent reference."""
+import json
 import os
 import time
 from datetime import timedelta
@@ -217,3 +218,41 @@ def _created_again(rank, world, store_path, algorithm):
 @pytest.mark.parametrize("world", [2, 3])
 def test_groups_created_again_on_one_store(world, algorithm, env, tmp_path):
     assert run_ranks(_created_again, world, str(tmp_path / "store"), algorithm, env=env) == [[]] * world
+
+
+def _profiled(rank, world, trace_path):
+    """The operations of a training job under torch.profiler: the backend's event names, as a
+    profile lists them and as the exported Chrome trace has them."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = torch.ones(50_000)
+        dist.all_reduce(t)
+        dist.all_reduce(t, async_op=True).wait()
+        dist.broadcast(t, 0)
+        dist.all_gather([torch.empty(10) for _ in range(world)], torch.ones(10))
+        dist.all_gather_into_tensor(torch.empty(10 * world), torch.ones(10))
+        dist.reduce_scatter_tensor(torch.empty(10), torch.ones(10 * world))
+        dist.all_to_all_single(torch.empty(2 * world), torch.ones(2 * world))
+        if rank == 0:
+            dist.send(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+        dist.barrier()
+    prof.export_chrome_trace(f"{trace_path}.{rank}.json")
+    with open(f"{trace_path}.{rank}.json") as f:
+        traced = {e["name"] for e in json.load(f)["traceEvents"] if ":" in e.get("name", "")}
+    listed = {e.name for e in prof.events()}
+    backend = dist.get_backend()
+    return sorted(n.split(":", 1)[1] for n in listed if n.startswith(backend + ":")), \
+        sorted(n.split(":", 1)[1] for n in traced if n.startswith(backend + ":"))
+
+
+def test_profiler_traces_name_every_operation_as_gloo_does(tmp_path):
+    hca = run_ranks(_profiled, 2, str(tmp_path / "hca"))
+    gloo = run_ranks(_profiled, 2, str(tmp_path / "gloo"), backend="gloo")
+    for rank in range(2):
+        listed, traced = hca[rank]
+        assert listed == traced, hca[rank]
+        # gloo names no event for reduce_scatter_tensor; hca does.
+        assert set(listed) == set(gloo[rank][0]) | {"reduce_scatter"}, (listed, gloo[rank][0])
+        assert {"all_reduce", "broadcast", "barrier", "send" if rank == 0 else "recv"} <= set(listed), listed

@@ -57,9 +57,41 @@ class WorkQueueState {
   bool stop_ = false;
 };
 
+namespace {
+
+// Named as gloo names its own ("gloo:all_reduce"; the flat forms as the list
+// forms), with hca's prefix.
+const char* profiling_title(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::BROADCAST: return "hca:broadcast";
+    case c10d::OpType::ALLREDUCE: return "hca:all_reduce";
+    case c10d::OpType::ALLREDUCE_COALESCED: return "hca:all_reduce_coalesced";
+    case c10d::OpType::REDUCE: return "hca:reduce";
+    case c10d::OpType::ALLGATHER: return "hca:all_gather";
+    case c10d::OpType::_ALLGATHER_BASE: return "hca:all_gather";
+    case c10d::OpType::ALLGATHER_COALESCED: return "hca:all_gather_coalesced";
+    case c10d::OpType::GATHER: return "hca:gather";
+    case c10d::OpType::SCATTER: return "hca:scatter";
+    case c10d::OpType::REDUCE_SCATTER: return "hca:reduce_scatter";
+    case c10d::OpType::_REDUCE_SCATTER_BASE: return "hca:reduce_scatter";
+    case c10d::OpType::ALLTOALL_BASE: return "hca:all_to_all";
+    case c10d::OpType::ALLTOALL: return "hca:all_to_all";
+    case c10d::OpType::SEND: return "hca:send";
+    case c10d::OpType::RECV:
+    case c10d::OpType::RECVANYSOURCE: return "hca:recv";
+    case c10d::OpType::BARRIER: return "hca:barrier";
+    case c10d::OpType::COALESCED: return "hca:coalesced";
+    default: return "hca:unknown";
+  }
+}
+
+}  // namespace
+
+// The profiling title starts a profiler range (when a profiler runs) that ends
+// when the Work finishes: traces show hca:<op> over the backend's real work.
 WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
                  std::shared_ptr<DeviceCompletion> device)
-    : c10d::Work(rank, type),
+    : c10d::Work(rank, type, profiling_title(type)),
       outputs_(std::move(outputs)),
       body_(std::move(body)),
       device_(std::move(device)),
