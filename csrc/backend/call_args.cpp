@@ -11,6 +11,7 @@ namespace {
 // accepts them. Only tensors addressed as given (contiguous ones) count: the
 // others are read into dense copies before the call and written back after it.
 void check_own_memory(const char* name, const std::vector<at::Tensor>& tensors, const MayAlias& may_alias) {
+  if (tensors.size() < 2) return;  // most calls: nothing to compare, nothing to allocate
   std::vector<size_t> direct;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel() > 0 && tensors[i].is_contiguous()) direct.push_back(i);
