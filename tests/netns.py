@@ -1,7 +1,9 @@
-"""Simulated hosts on one machine: each node gets its own network namespace (a veth pair joins
+"""Ranks in namespaces of their own, each a separate process running node_worker.py.
+Simulated hosts on one machine: each node gets its own network namespace (a veth pair joins
 them, each end with its own address) and each of its ranks runs in a UTS namespace named after
 the node, so traffic between nodes crosses a (virtual) network and hostnames differ per node.
-Needs root and `ip`/`unshare`; `unavailable()` says why not where they are missing."""
+Needs root and `ip`/`unshare`; `unavailable()` says why not where they are missing.
+Containers on one host: ranks in pid namespaces of their own (`run_in_pid_namespaces`)."""
 from __future__ import annotations
 
 import json
@@ -76,45 +78,72 @@ class TwoHosts:
         """Runs node_cases.<case>(rank, world, *args) on every rank, node i's ranks in namespace i;
         returns each rank's value (None for a rank in `allow_missing` that left none)."""
         placement = [node for node, size in enumerate(node_sizes) for _ in range(size)]
-        world = len(placement)
         self.runs = getattr(self, "runs", 0) + 1
         port = 20000 + (os.getpid() * 7 + self.runs * 101) % 20000
-        with tempfile.TemporaryDirectory() as tmp:
-            procs = []
-            for rank, node in enumerate(placement):
-                env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=self.addresses[0],
-                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.links[node],
-                           PYTHONPATH=os.pathsep.join([ROOT, HERE]))
-                env.pop("TORCH_HCA_NODE_ID", None)
-                out = os.path.join(tmp, f"rank{rank}.json")
-                worker = [sys.executable, "-W", "ignore", os.path.join(HERE, "node_worker.py"), case, out,
-                          json.dumps(list(args)), str(timeout_s)]
-                cmd = ["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--", "sh", "-c",
-                       f'hostname {self.hostnames[node]} && exec "$@"', "sh"] + worker
-                procs.append(subprocess.Popen(cmd, env=env, cwd=HERE, stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True))
-            end = time.monotonic() + deadline_s
-            logs = []
-            for p in procs:
-                try:
-                    logs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    logs.append(p.communicate()[0] + "\n(killed at the deadline)")
-            values, errors = [], []
-            for rank in range(world):
-                path = os.path.join(tmp, f"rank{rank}.json")
-                if not os.path.exists(path):
-                    values.append(None)
-                    if rank not in allow_missing:
-                        errors.append(f"rank {rank}: no result\n{logs[rank][-3000:]}")
-                    continue
-                with open(path) as f:
-                    status, value = json.load(f)
-                values.append(value)
-                if status != "ok":
-                    errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise AssertionError("\n".join(errors))
-        return values
+        wrappers = [["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--", "sh", "-c",
+                     f'hostname {self.hostnames[node]} && exec "$@"', "sh"] for node in placement]
+        envs = [dict(MASTER_ADDR=self.addresses[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.links[node])
+                for node in placement]
+        return run_workers(case, wrappers, envs, args, timeout_s, deadline_s, allow_missing)
 
+
+def pid_namespaces_unavailable():
+    """Why a rank cannot be put in a pid namespace of its own here, or None."""
+    if shutil.which("unshare") is None:
+        return "needs the `unshare` command"
+    done = subprocess.run(["unshare", "--pid", "--fork", "--", "sh", "-c", "test $$ = 1"], capture_output=True,
+                          text=True)
+    return None if done.returncode == 0 else f"cannot unshare --pid: {(done.stderr or done.stdout).strip()}"
+
+
+def run_in_pid_namespaces(case, world, isolated, args=(), env=None, timeout_s=30, deadline_s=240, allow_missing=()):
+    """Runs node_cases.<case> on `world` ranks of this host; each rank in `isolated` in a pid
+    namespace of its own (as in a container sharing /dev/shm and the hostname: --ipc=host),
+    as pid 2 there (the namespace's init, pid 1, ignores the signals it sends itself)."""
+    port = 20000 + (os.getpid() * 13) % 20000
+    wrappers = [["unshare", "--pid", "--fork", "--", "sh", "-c", '"$@"; exit $?', "sh"] if rank in isolated else []
+                for rank in range(world)]
+    envs = [dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for _ in range(world)]
+    return run_workers(case, wrappers, envs, args, timeout_s, deadline_s, allow_missing)
+
+
+def run_workers(case, wrappers, envs, args=(), timeout_s=30, deadline_s=240, allow_missing=()):
+    """Runs node_worker.py <case> as rank r of len(wrappers) under the command prefix wrappers[r]
+    with the variables envs[r]; returns each rank's value (None for a rank in `allow_missing`
+    that left none), or raises AssertionError with the failed ranks' tracebacks and logs."""
+    world = len(wrappers)
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank, (wrapper, extra) in enumerate(zip(wrappers, envs)):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+            env.pop("TORCH_HCA_NODE_ID", None)
+            env.update(extra)
+            out = os.path.join(tmp, f"rank{rank}.json")
+            worker = [sys.executable, "-W", "ignore", os.path.join(HERE, "node_worker.py"), case, out,
+                      json.dumps(list(args)), str(timeout_s)]
+            procs.append(subprocess.Popen(wrapper + worker, env=env, cwd=HERE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        end = time.monotonic() + deadline_s
+        logs = []
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, end - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                logs.append(p.communicate()[0] + "\n(killed at the deadline)")
+        values, errors = [], []
+        for rank in range(world):
+            path = os.path.join(tmp, f"rank{rank}.json")
+            if not os.path.exists(path):
+                values.append(None)
+                if rank not in allow_missing:
+                    errors.append(f"rank {rank}: no result\n{logs[rank][-3000:]}")
+                continue
+            with open(path) as f:
+                status, value = json.load(f)
+            values.append(value)
+            if status != "ok":
+                errors.append(f"rank {rank}:\n{value}")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return values

@@ -209,3 +209,17 @@ def _training(rank, world, backend):
         loss.backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def late_ranks(rank, world, late):
+    """Allreduces for which the ranks in `late` arrive 0.3 s after the others, who wait for them
+    (and check that they live); the mismatches against the reference."""
+    errors = []
+    for case in range(3):
+        inputs = [make_input(500 + case, r, 1000, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        if rank in late:
+            time.sleep(0.3)
+        dist.all_reduce(t)
+        errors.append(mismatch(f"late allreduce {case}", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]

@@ -10,7 +10,12 @@ EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backen
   TORCH_CHECK_VALUE(engines_.cpu, "hca: a stock engine for CPU tensors is needed");
 }
 
+EngineBackend::~EngineBackend() {
+  if (in_forked_child()) leave_in_child(engines_);  // stock engines would join the parent's threads
+}
+
 c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
+  owner_.check(op);
   const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;
   TORCH_CHECK_NOT_IMPLEMENTED(chosen, "hca ", op, ": no stock engine for tensors on ", tensor.device(),
                               " (for CUDA tensors: ProcessGroupNCCL, which needs torch with NCCL and a GPU when the "
@@ -19,6 +24,7 @@ c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) c
 }
 
 void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  owner_.check("monitoredBarrier");
   engines_.cpu->monitoredBarrier(opts, wait_all_ranks);
 }
 

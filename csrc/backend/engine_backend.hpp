@@ -4,6 +4,8 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "owning_process.hpp"
+
 namespace hca {
 
 // Stock engines over one set of ranks: for CPU tensors (gloo) and for CUDA
@@ -16,6 +18,7 @@ class EngineBackend : public c10d::Backend {
  public:
   // `engines.cpu` is required: every call without tensors goes there.
   EngineBackend(int rank, int size, Engines engines);
+  ~EngineBackend() override;
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
@@ -38,9 +41,15 @@ class EngineBackend : public c10d::Backend {
  protected:
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
-  c10d::Backend& cpu_engine() const { return *engines_.cpu; }
+  c10d::Backend& cpu_engine(const char* op) const {
+    owner_.check(op);
+    return *engines_.cpu;
+  }
+  // Whether this is a child forked from the process that made the backend.
+  bool in_forked_child() const { return !owner_.is_current(); }
 
  private:
+  OwningProcess owner_;
   Engines engines_;
 };
 

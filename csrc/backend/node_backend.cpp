@@ -49,6 +49,12 @@ NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, 
   }
 }
 
+NodeBackend::~NodeBackend() {
+  if (!in_forked_child()) return;
+  leave_in_child(leaders_);
+  leave_in_child(cuda_call_streams_);
+}
+
 void NodeBackend::check_device(const at::Device& device, const char* op) const {
 #ifdef HCA_WITH_CUDA
   constexpr bool with_cuda = true;

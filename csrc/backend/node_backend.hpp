@@ -24,6 +24,7 @@ class NodeBackend : public EngineBackend {
   // node order). `world`: engines over every rank.
   NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
               c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world);
+  ~NodeBackend() override;
 
   const std::string getBackendName() const override { return "hca"; }
   const Nodes& nodes() const { return nodes_; }

@@ -94,7 +94,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOptions& opts) {
-  return cpu_engine().barrier(opts);
+  return cpu_engine("barrier").barrier(opts);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::endCoalescing() {

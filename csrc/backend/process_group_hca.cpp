@@ -46,13 +46,25 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   }
 }
 
-ProcessGroupHCA::~ProcessGroupHCA() = default;
+ProcessGroupHCA::~ProcessGroupHCA() {
+  if (owner_.is_current()) return;
+  // A forked child: the threads, the store and the words of the shared segments
+  // are the parent's, still in use; the child leaves them alone.
+  leave_in_child(mailbox_);
+  leave_in_child(cuda_executor_);
+  leave_in_child(cpu_executor_);
+  leave_in_child(cuda_call_streams_);
+  leave_in_child(cpu_call_streams_);
+  leave_in_child(control_);
+  leave_in_child(store_);
+}
 
 void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
   control_->publish_failure(Failure(kind, "", getRank(), cause));
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
+  owner_.check(op);
   if (device.is_cpu()) return *cpu_executor_;
 #ifdef HCA_WITH_CUDA
   if (device.is_cuda()) {
@@ -265,6 +277,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  owner_.check("monitoredBarrier");
   const auto timeout = timeout_or_default(opts.timeout);
   auto body = [this, timeout, wait_all_ranks] {
     try {

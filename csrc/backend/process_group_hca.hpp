@@ -15,6 +15,7 @@
 #include "../transport/executor.h"
 #include "../transport/shm/mailbox.h"
 #include "call_args.hpp"
+#include "owning_process.hpp"
 #include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
 #include "stream_call.hpp"
@@ -143,6 +144,7 @@ class ProcessGroupHCA : public c10d::Backend {
   Collective reduce_scatter_collective(const CallArgs& args, size_t output, size_t input, ReduceOp op) const;
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
 
+  OwningProcess owner_;
   PlanOptions options_;
   std::chrono::milliseconds timeout_;
   cuda::CudaConfig cuda_config_;

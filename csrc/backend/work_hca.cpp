@@ -244,11 +244,17 @@ void WorkQueueState::stop() {
 WorkQueue::WorkQueue() : state_(std::make_shared<WorkQueueState>()), worker_([state = state_.get()] { state->loop(); }) {}
 
 WorkQueue::~WorkQueue() {
+  if (!owner_.is_current()) {
+    worker_.detach();  // the parent's thread: a forked child has no worker to stop
+    leave_in_child(state_);
+    return;
+  }
   state_->stop();
   worker_.join();  // after the queued Works have run
 }
 
 void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+  owner_.check(c10d::opTypeToString(work->retrieveOpType()).c_str());
   work->queue_ = state_;
   state_->submit(work, run_inline);
 }

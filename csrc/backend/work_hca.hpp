@@ -15,6 +15,8 @@
 #include <mutex>
 #include <thread>
 
+#include "owning_process.hpp"
+
 namespace hca {
 
 // How long a waiter polls before it sleeps (a futex wake-up costs tens of microseconds).
@@ -92,9 +94,11 @@ class WorkQueue {
   ~WorkQueue();
   // Queues the work; a blocking call (run_inline) with nothing queued runs on
   // the caller's thread, which saves two thread hand-offs per collective.
+  // DistBackendError in a process forked from the one that made the queue.
   void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
 
  private:
+  OwningProcess owner_;
   std::shared_ptr<WorkQueueState> state_;  // shared with the Works it holds
   std::thread worker_;
 };

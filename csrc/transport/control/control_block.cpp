@@ -36,7 +36,14 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
                              std::to_string(kLayoutVersion) + " for " + std::to_string(world) + " ranks with " +
                              std::to_string(sizeof(RankSlot)) + "-byte slots: every rank must run the same build");
   }
+  // The lock first: a peer that sees the pid asks the lock whether this rank lives.
+  segment_->lock_byte(rank);
   slot(rank).pid = static_cast<int32_t>(getpid());
+}
+
+bool ControlBlock::alive(int peer) const {
+  // Not attached yet: only the deadline applies.
+  return slot(peer).pid == 0 || segment_->byte_locked_elsewhere(peer);
 }
 
 namespace {
@@ -66,7 +73,8 @@ void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
 template <class Ready>
 void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
-  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire); }, ctx, peer, theirs.pid);
+  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire); }, [&] { return alive(peer); }, ctx,
+           peer, theirs.pid);
   if (!ready()) throw_peer_failed(peer, ctx);
 }
 
@@ -82,7 +90,7 @@ void ControlBlock::check_peer_failed(int peer, const WaitContext& ctx) const {
 void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
   check_peer_failed(peer, ctx);
-  if (!process_alive(theirs.pid)) throw_dead(ctx, peer, theirs.pid);
+  if (!alive(peer)) throw_dead(ctx, peer, theirs.pid);
   if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
 }
 

@@ -1,7 +1,9 @@
 // The node's control block: one shared segment per process group, holding a
 // slot per rank that every executor of the node uses (shared memory and CUDA
 // alike): progress words, the signature of each collective, the pid, and the
-// cause of a failure. Waits on it have a deadline and notice dead peers.
+// cause of a failure. Waits on it have a deadline and notice dead peers: each
+// rank holds a lock on its byte of the segment while it lives (pids are not
+// comparable across pid namespaces, e.g. containers sharing /dev/shm).
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -108,6 +110,8 @@ class ControlBlock {
 
  private:
   RankSlot& slot(int rank) const;
+  // Whether `peer` lives: it holds its lock, or has not attached yet.
+  bool alive(int peer) const;
   template <class Ready>
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;

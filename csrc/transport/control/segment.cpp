@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -11,7 +12,9 @@
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <mutex>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <thread>
 
@@ -81,6 +84,40 @@ void check_ours(const std::string& name, const struct stat& st, const std::strin
   }
 }
 
+// The descriptors of the live segments. A forked child shares their open file
+// descriptions, and with them the locks: it closes its copies right after the
+// fork (and inherits no mapping, see map()), so that a parent that dies is
+// seen dead while its children live on (DataLoader workers forked after init).
+class OpenSegments {
+ public:
+  static OpenSegments& get() {
+    static OpenSegments* const open = new OpenSegments();  // never destroyed: forks may come at exit
+    static const bool handlers = [] {
+      return pthread_atfork([] { open->mutex_.lock(); }, [] { open->mutex_.unlock(); },
+                            [] { open->close_in_child(); }) == 0;
+    }();
+    (void)handlers;
+    return *open;
+  }
+  void add(std::atomic<int>* fd) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fds_.insert(fd);
+  }
+  void remove(std::atomic<int>* fd) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    fds_.erase(fd);
+  }
+
+ private:
+  void close_in_child() {
+    for (std::atomic<int>* fd : fds_) close(fd->exchange(-1));
+    fds_.clear();
+    mutex_.unlock();  // locked by the parent's prepare handler
+  }
+  std::mutex mutex_;
+  std::set<std::atomic<int>*> fds_;
+};
+
 [[noreturn]] void fail(const std::string& what, int err) {
   throw std::runtime_error("hca shared memory: " + what + ": " + std::strerror(err));
 }
@@ -88,6 +125,13 @@ void check_ours(const std::string& name, const struct stat& st, const std::strin
 char* map(int fd, size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail("mmap", errno);
+  // Not inherited by a forked child, which may not use the group: a mapping
+  // holds the open file, and with it the locks that say this process lives.
+  if (madvise(p, bytes, MADV_DONTFORK) != 0) {
+    const int err = errno;
+    munmap(p, bytes);
+    fail("madvise", err);
+  }
   return static_cast<char*>(p);
 }
 
@@ -123,7 +167,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
            err);
     }
     base_ = map(fd, bytes);
-    close(fd);
+    keep(fd);
     initialize(base_);
     rendezvous.set(key, host + "\n" + name + "\n" + layout);
     // Wait for every other rank to attach, then drop the name.
@@ -132,8 +176,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
                   "hca shared memory: not every rank attached to " + name);
     } catch (...) {
       shm_unlink(name.c_str());
-      munmap(base_, bytes_);
-      base_ = nullptr;
+      release();
       throw;
     }
     shm_unlink(name.c_str());
@@ -160,8 +203,12 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
       throw;
     }
     const bool same = owner_layout == layout && static_cast<size_t>(st.st_size) == bytes;
-    if (same) base_ = map(fd, bytes);
-    close(fd);
+    if (same) {
+      base_ = map(fd, bytes);
+      keep(fd);
+    } else {
+      close(fd);
+    }
     rendezvous.add(key + "_attached", 1);  // counted either way: rank 0 must not wait for us
     if (!same) {
       throw std::runtime_error("hca shared memory: rank 0 laid out the " + key + " segment as " + owner_layout +
@@ -170,8 +217,43 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
   }
 }
 
-SharedSegment::~SharedSegment() {
+SharedSegment::~SharedSegment() { release(); }
+
+void SharedSegment::keep(int fd) {
+  fd_.store(fd);
+  OpenSegments::get().add(&fd_);
+}
+
+void SharedSegment::release() {
   if (base_) munmap(base_, bytes_);
+  base_ = nullptr;
+  OpenSegments::get().remove(&fd_);
+  const int fd = fd_.exchange(-1);
+  if (fd >= 0) close(fd);
+}
+
+namespace {
+
+struct flock byte_lock(int at) {
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = at;
+  lock.l_len = 1;
+  return lock;
+}
+
+}  // namespace
+
+void SharedSegment::lock_byte(int at) const {
+  struct flock lock = byte_lock(at);
+  if (fcntl(fd_.load(), F_OFD_SETLK, &lock) != 0) fail("locking byte " + std::to_string(at) + " of a segment", errno);
+}
+
+bool SharedSegment::byte_locked_elsewhere(int at) const {
+  struct flock lock = byte_lock(at);
+  if (fcntl(fd_.load(), F_OFD_GETLK, &lock) != 0) return true;  // cannot tell: only the deadline applies
+  return lock.l_type != F_UNLCK;
 }
 
 }  // namespace hca

@@ -1,5 +1,6 @@
 // One POSIX shared-memory segment for all ranks of a group on this node.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -31,9 +32,22 @@ class SharedSegment {
   char* data() const { return base_; }
   size_t size() const { return bytes_; }
 
+  // Open-file-description locks on single bytes of the segment, which the
+  // kernel drops when the process ends however it ends, and which every
+  // process sharing the segment sees, whatever its pid namespace.
+  // Takes the lock on byte `at`; throws if it cannot.
+  void lock_byte(int at) const;
+  // Whether another open file (another process) holds the lock on byte `at`.
+  bool byte_locked_elsewhere(int at) const;
+
  private:
+  void keep(int fd);  // the mapped segment's descriptor, for the locks
+  void release();     // unmaps and closes
   char* base_ = nullptr;
   size_t bytes_ = 0;
+  // Kept open for the locks; a child forked from this process closes its copy
+  // at once (see segment.cpp), so that it does not hold them for its parent.
+  std::atomic<int> fd_{-1};
 };
 
 }  // namespace hca

@@ -30,8 +30,6 @@ inline Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
 // Throw hca::Failure naming the operation and the rank.
 [[noreturn]] void throw_timeout(const WaitContext& ctx, int peer);
 [[noreturn]] void throw_dead(const WaitContext& ctx, int peer, int pid);
-// False once the process is gone or a zombie.
-bool process_alive(int pid);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -41,8 +39,10 @@ inline void cpu_relax() {
 #endif
 }
 
-template <class Ready>
-void wait_for(Ready ready, const WaitContext& ctx, int peer, int peer_pid) {
+// Until ready(); every 50 ms asks alive() whether `peer` (pid `peer_pid`, for
+// the message) still runs.
+template <class Ready, class Alive>
+void wait_for(Ready ready, Alive alive, const WaitContext& ctx, int peer, int peer_pid) {
   for (int i = 0; i < 256; ++i) {
     if (ready()) return;
     cpu_relax();
@@ -60,7 +60,7 @@ void wait_for(Ready ready, const WaitContext& ctx, int peer, int peer_pid) {
       std::this_thread::sleep_for(std::min<Clock::duration>(waited / 8, std::chrono::microseconds(500)));
     }
     if (now > next_liveness_check) {
-      if (!process_alive(peer_pid)) {
+      if (!alive()) {
         if (ready()) return;
         throw_dead(ctx, peer, peer_pid);
       }
