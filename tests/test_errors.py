@@ -1,5 +1,4 @@
 """Bad input, mismatched calls, dead or missing peers: clear errors, no hang, nothing left in /dev/shm."""
-import json
 import os
 from datetime import timedelta
 import signal
@@ -197,79 +196,6 @@ def test_a_lost_rank_is_named_within_the_timeout(lost, world, executor):
         msg, elapsed = result
         assert "allreduce" in msg and first in msg and second in msg, msg
         assert at_least < elapsed < 3 + 5
-
-
-def _wait_for_child(pid, seconds):
-    """The child's exit status, or None if it is still running after `seconds` (then killed)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
-def _fork_after_init(rank, world):
-    """Each rank forks a child that tries its parent's group, then destroys it; the parents go
-    on. Returns the child's errors and exit status, and the parents' mismatches after it."""
-    dist.all_reduce(torch.ones(8))
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        code = 1
-        try:
-            calls = [lambda: dist.all_reduce(torch.ones(8)), lambda: dist.send(torch.ones(2), (rank + 1) % world),
-                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier]
-            errors = [raises(call, dist.DistBackendError) for call in calls]
-            dist.destroy_process_group()  # neither hangs nor ends the parent's group
-            os.write(write, json.dumps(errors).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    status = _wait_for_child(child, 30)
-    with os.fdopen(read) as f:
-        errors = json.loads(f.read() or "[]")
-    inputs = [make_input(77, r, 5000, torch.float32, "SUM") for r in range(world)]
-    t = inputs[rank].clone()
-    dist.all_reduce(t)
-    return errors, status, mismatch("allreduce after the fork", t, reduce_reference(inputs, "SUM"), world)
-
-
-@pytest.mark.parametrize("layout", [
-    pytest.param(dict(env=STREAMS_ENV), id="streams"),
-    pytest.param(dict(env_per_rank=[{"TORCH_HCA_NODE_ID": n} for n in "aab"]), id="nodes"),
-    pytest.param({}, id="shm")])
-def test_a_child_forked_after_init_is_refused_and_leaves_the_group_alone(layout):
-    for errors, status, wrong in run_ranks(_fork_after_init, 3, pg_timeout_s=20, **layout):
-        assert status == 0 and wrong is None, (status, wrong)
-        assert len(errors) == 4
-        for message in errors:
-            assert "was forked from the one that created the process group" in message, message
-
-
-def _parent_dies_with_a_child_alive(rank, world):
-    pids = [None] * world
-    dist.all_gather_object(pids, os.getpid())
-    if rank == 1:
-        if os.fork() == 0:  # a DataLoader worker, say: it outlives its parent a while
-            time.sleep(20)
-            os._exit(0)
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    message = raises(lambda: [dist.all_reduce(torch.ones(100)) for _ in range(100)], dist.DistBackendError)
-    return message, time.monotonic() - start
-
-
-@pytest.mark.parametrize("executor", EXECUTORS)
-def test_a_rank_dead_while_its_forked_child_lives_is_noticed(executor):
-    for message, seconds in run_ranks(_parent_dies_with_a_child_alive, 3, pg_timeout_s=60, allow_missing=(1,),
-                                      env=executor)[::2]:
-        assert "rank 1 (pid" in message and "died" in message, message
-        assert seconds < 10
 
 
 PIDNS = pid_namespaces_unavailable()

@@ -14,6 +14,21 @@ EngineBackend::~EngineBackend() {
   if (in_forked_child()) leave_in_child(engines_);  // stock engines would join the parent's threads
 }
 
+void end_engines(Engines& engines, bool abort) {
+  for (auto* engine : {engines.cpu.get(), engines.cuda.get()}) {
+    if (engine && abort) engine->abort();
+    if (engine && !abort) engine->shutdown();
+  }
+}
+
+void EngineBackend::shutdown() {
+  if (!in_forked_child()) end_engines(engines_, false);
+}
+
+void EngineBackend::abort() {
+  if (!in_forked_child()) end_engines(engines_, true);
+}
+
 c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
   owner_.check(op);
   const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;

@@ -14,6 +14,9 @@ struct Engines {
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
 };
 
+// Shuts down (or aborts) each engine there is.
+void end_engines(Engines& engines, bool abort);
+
 class EngineBackend : public c10d::Backend {
  public:
   // `engines.cpu` is required: every call without tensors goes there.
@@ -21,6 +24,9 @@ class EngineBackend : public c10d::Backend {
   ~EngineBackend() override;
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  // Forwarded to the engines (ProcessGroupNCCL ends its communicators; gloo has neither).
+  void shutdown() override;
+  void abort() override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,

@@ -55,6 +55,23 @@ NodeBackend::~NodeBackend() {
   leave_in_child(cuda_call_streams_);
 }
 
+void NodeBackend::end(bool abort) {
+  if (in_forked_child()) return;
+  if (!abort) queue_.stop();  // what is queued runs to its end first
+  if (abort) {
+    local_->abort();
+  } else {
+    local_->shutdown();
+  }
+  for (auto& entry : leaders_) end_engines(entry.second, abort);
+  if (abort) {
+    EngineBackend::abort();
+  } else {
+    EngineBackend::shutdown();
+  }
+  queue_.stop();  // on abort, what is queued fails at once now
+}
+
 void NodeBackend::check_device(const at::Device& device, const char* op) const {
 #ifdef HCA_WITH_CUDA
   constexpr bool with_cuda = true;

@@ -25,6 +25,10 @@ class NodeBackend : public EngineBackend {
   NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
               c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world);
   ~NodeBackend() override;
+  // As ProcessGroupHCA's: the node's group, then the engines among leaders and
+  // of the world; on abort, everything is aborted before the queue is drained.
+  void shutdown() override { end(false); }
+  void abort() override { end(true); }
 
   const std::string getBackendName() const override { return "hca"; }
   const Nodes& nodes() const { return nodes_; }
@@ -75,6 +79,7 @@ class NodeBackend : public EngineBackend {
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const Issue& issue) const;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
+  void end(bool abort);
 
   // The three stages of an allreduce of dense `tensors` cut into `packs`, each
   // led from its pack position; AVG sums and divides once, on the leaders.

@@ -47,7 +47,10 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
 }
 
 ProcessGroupHCA::~ProcessGroupHCA() {
-  if (owner_.is_current()) return;
+  if (owner_.is_current()) {
+    end(false);
+    return;
+  }
   // A forked child: the threads, the store and the words of the shared segments
   // are the parent's, still in use; the child leaves them alone.
   leave_in_child(mailbox_);
@@ -60,11 +63,35 @@ ProcessGroupHCA::~ProcessGroupHCA() {
 }
 
 void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
-  control_->publish_failure(Failure(kind, "", getRank(), cause));
+  if (control_) control_->publish_failure(Failure(kind, "", getRank(), cause));
+}
+
+void ProcessGroupHCA::check_open(const char* op) const {
+  owner_.check(op);
+  if (const char* how = ended_.load()) {
+    C10_THROW_ERROR(DistBackendError, std::string("hca ") + op + ": this process group was " + how +
+                                          " (destroy_process_group, shutdown or abort); create a new one");
+  }
+}
+
+void ProcessGroupHCA::end(bool abort) {
+  if (!owner_.is_current() || ended_) return;
+  const std::string rank = "rank " + std::to_string(getRank());
+  // Published first on abort: this rank's waits and streams give up at once.
+  if (abort) fail(FailureKind::Aborted, rank + " aborted its process group");
+  queue_.stop();
+  mailbox_.reset();  // fails the messages still pending
+  cuda_executor_.reset();
+  cpu_executor_.reset();
+  cuda_call_streams_.reset();
+  cpu_call_streams_.reset();
+  control_->mark_left();  // what peers still waiting on this rank are told
+  control_.reset();
+  ended_ = abort ? "aborted" : "shut down";
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
-  owner_.check(op);
+  check_open(op);
   if (device.is_cpu()) return *cpu_executor_;
 #ifdef HCA_WITH_CUDA
   if (device.is_cuda()) {
@@ -277,7 +304,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  owner_.check("monitoredBarrier");
+  check_open("monitoredBarrier");
   const auto timeout = timeout_or_default(opts.timeout);
   auto body = [this, timeout, wait_all_ranks] {
     try {

@@ -40,6 +40,7 @@ class ProcessGroupHCA : public c10d::Backend {
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {
+    check_open("scribble_for_test");
     control_->scribble_for_test(seed);
     mailbox_->scribble_for_test(seed);
   }
@@ -47,6 +48,13 @@ class ProcessGroupHCA : public c10d::Backend {
   // rank raise it, and this rank's later calls say the group is unusable. For
   // failures outside the node's media, e.g. of the stage between nodes.
   void fail(FailureKind kind, const std::string& cause);
+  // destroy_process_group calls shutdown: what is queued runs to its end, then
+  // the threads are joined and the segments unmapped, even if the group is
+  // still referenced (a DDP model in scope); peers waiting on this rank learn
+  // that it left. abort: the same, but what is in flight or queued fails at
+  // once, and peers learn that this rank aborted. Later calls raise.
+  void shutdown() override { end(false); }
+  void abort() override { end(true); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -103,6 +111,9 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
+  // DistBackendError naming `op` in a forked child or after shutdown/abort.
+  void check_open(const char* op) const;
+  void end(bool abort);
   // The executor of `device`'s tensors, chosen here and nowhere else;
   // NotImplementedError naming the device where this build has none.
   Executor& executor_for(const at::Device& device, const char* op);
@@ -149,7 +160,8 @@ class ProcessGroupHCA : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::unique_ptr<ControlBlock> control_;
+  std::unique_ptr<ControlBlock> control_;  // null once ended
+  std::atomic<const char*> ended_{nullptr};  // "shut down" or "aborted"
   // Before the executors: their streams outlive what the executors issued.
   std::unique_ptr<CallStreams> cpu_call_streams_;  // with the model of the device only
   std::unique_ptr<CallStreams> cuda_call_streams_;

@@ -249,12 +249,22 @@ WorkQueue::~WorkQueue() {
     leave_in_child(state_);
     return;
   }
+  stop();
+}
+
+void WorkQueue::stop() {
+  if (!worker_.joinable()) return;
   state_->stop();
   worker_.join();  // after the queued Works have run
 }
 
 void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
-  owner_.check(c10d::opTypeToString(work->retrieveOpType()).c_str());
+  const std::string op = c10d::opTypeToString(work->retrieveOpType());
+  owner_.check(op.c_str());
+  if (!worker_.joinable()) {
+    C10_THROW_ERROR(DistBackendError, "hca " + op + ": the process group was shut down (destroy_process_group, "
+                                      "shutdown or abort); create a new one");
+  }
   work->queue_ = state_;
   state_->submit(work, run_inline);
 }

@@ -94,8 +94,11 @@ class WorkQueue {
   ~WorkQueue();
   // Queues the work; a blocking call (run_inline) with nothing queued runs on
   // the caller's thread, which saves two thread hand-offs per collective.
-  // DistBackendError in a process forked from the one that made the queue.
+  // DistBackendError in a process forked from the one that made the queue,
+  // or once the queue has stopped.
   void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
+  // Runs what is queued, then ends the worker (once; the destructor calls it).
+  void stop();
 
  private:
   OwningProcess owner_;

@@ -10,7 +10,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -40,6 +40,17 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
   segment_->lock_byte(rank);
   slot(rank).pid = static_cast<int32_t>(getpid());
 }
+
+void ControlBlock::throw_gone(int peer, const WaitContext& ctx) const {
+  if (slot(peer).left.load(std::memory_order_acquire)) {
+    throw Failure(FailureKind::PeerFailed, ctx.operation, peer,
+                  "rank " + std::to_string(peer) + " left: its process group was shut down (destroy_process_group) "
+                  "while this rank still waited on it");
+  }
+  throw_dead(ctx, peer, slot(peer).pid);
+}
+
+void ControlBlock::mark_left() { slot(rank_).left.store(1, std::memory_order_release); }
 
 bool ControlBlock::alive(int peer) const {
   // Not attached yet: only the deadline applies.
@@ -73,9 +84,13 @@ void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
 template <class Ready>
 void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
-  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire); }, [&] { return alive(peer); }, ctx,
-           peer, theirs.pid);
-  if (!ready()) throw_peer_failed(peer, ctx);
+  const RankSlot& mine = slot(rank_);
+  // This rank's own failure ends the wait too: an abort from another thread.
+  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire); },
+           [&] { return alive(peer); }, [&] { throw_gone(peer, ctx); }, ctx, peer);
+  if (ready()) return;
+  check_peer_failed(peer, ctx);
+  check_usable(ctx.operation);
 }
 
 void ControlBlock::wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const {
@@ -90,17 +105,21 @@ void ControlBlock::check_peer_failed(int peer, const WaitContext& ctx) const {
 void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
   check_peer_failed(peer, ctx);
-  if (!alive(peer)) throw_dead(ctx, peer, theirs.pid);
+  if (!alive(peer)) throw_gone(peer, ctx);
   if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
 }
 
-WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milliseconds timeout) const {
-  const std::string operation = "collective #" + std::to_string(collectives_ + 1) + " " + signature;
+void ControlBlock::check_usable(const std::string& operation) const {
   const RankSlot& mine = slot(rank_);
   if (mine.failed.load(std::memory_order_acquire)) {
     throw Failure(FailureKind::Unusable, operation, -1,
                   "this process group is unusable after an earlier error: " + slot_text(mine.failure));
   }
+}
+
+WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milliseconds timeout) const {
+  const std::string operation = "collective #" + std::to_string(collectives_ + 1) + " " + signature;
+  check_usable(operation);
   return {deadline_after(timeout), operation, timeout};
 }
 

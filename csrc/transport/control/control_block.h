@@ -42,6 +42,8 @@ struct alignas(kCacheLine) RankSlot {
   // Collectives started; the description of collective n sits in signature[n % 2].
   std::atomic<uint64_t> started;
   int32_t pid;
+  // Set when the rank shut its group down: once its lock is gone, it left, not died.
+  std::atomic<uint32_t> left;
   char signature[2][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
@@ -76,7 +78,8 @@ class ControlBlock {
   // deadline); throws Failure(Unusable) once this rank has failed before.
   WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout) const;
   // Posts this rank's next collective and waits until every peer has posted
-  // the same: throws Failure(Mismatch) naming both calls otherwise.
+  // the same: throws Failure(Mismatch) naming both calls otherwise. Every wait
+  // here also ends, with check_usable's Failure, once this rank has failed.
   void start(const std::string& signature, const WaitContext& ctx);
 
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
@@ -92,6 +95,9 @@ class ControlBlock {
   void check_peer(int peer, const WaitContext& ctx) const;
   // Throws if `peer` has published a failure (only that: no liveness check).
   void check_peer_failed(int peer, const WaitContext& ctx) const;
+  // Throws Failure(Unusable) with this rank's own cause once it has failed
+  // (e.g. aborted from another thread).
+  void check_usable(const std::string& operation) const;
   // torch's monitored barrier: rank 0 waits for every rank's arrival and
   // throws Failure(Timeout) naming the first rank (all, with `wait_all`) that
   // did not arrive in time; the others wait for rank 0 to release them. The
@@ -99,6 +105,9 @@ class ControlBlock {
   void monitored_barrier(std::chrono::milliseconds timeout, bool wait_all);
   // Records this rank's first failure, so that ranks waiting on it report the cause.
   void publish_failure(const Failure& failure);
+  // Says that this rank shut the group down (not a failure: what it finished
+  // stays good for its peers); a peer still waiting on it is told it left.
+  void mark_left();
 
   // Tests: random words and text (no NUL) in this rank's slot, as a broken or
   // hostile peer would leave them; the ranks reading them must not crash.
@@ -112,6 +121,8 @@ class ControlBlock {
   RankSlot& slot(int rank) const;
   // Whether `peer` lives: it holds its lock, or has not attached yet.
   bool alive(int peer) const;
+  // Throws that `peer` left (shut its group down) or died.
+  [[noreturn]] void throw_gone(int peer, const WaitContext& ctx) const;
   template <class Ready>
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;

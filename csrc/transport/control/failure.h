@@ -17,6 +17,7 @@ enum class FailureKind : uint32_t {
   Setup,       // a medium could not be set up (e.g. CUDA IPC)
   BetweenNodes,  // the stage between nodes (an engine among node leaders) failed
   DeviceFault,   // the device faulted while running the collective (e.g. a CUDA error)
+  Aborted,       // the rank aborted its group
 };
 
 class Failure : public std::runtime_error {

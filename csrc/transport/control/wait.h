@@ -39,10 +39,10 @@ inline void cpu_relax() {
 #endif
 }
 
-// Until ready(); every 50 ms asks alive() whether `peer` (pid `peer_pid`, for
-// the message) still runs.
-template <class Ready, class Alive>
-void wait_for(Ready ready, Alive alive, const WaitContext& ctx, int peer, int peer_pid) {
+// Until ready(); every 50 ms asks alive() whether `peer` is still there, and
+// calls gone() (which throws) if it is not.
+template <class Ready, class Alive, class Gone>
+void wait_for(Ready ready, Alive alive, Gone gone, const WaitContext& ctx, int peer) {
   for (int i = 0; i < 256; ++i) {
     if (ready()) return;
     cpu_relax();
@@ -62,7 +62,7 @@ void wait_for(Ready ready, Alive alive, const WaitContext& ctx, int peer, int pe
     if (now > next_liveness_check) {
       if (!alive()) {
         if (ready()) return;
-        throw_dead(ctx, peer, peer_pid);
+        gone();
       }
       next_liveness_check = now + std::chrono::milliseconds(50);
     }

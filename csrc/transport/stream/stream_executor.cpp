@@ -233,10 +233,15 @@ class StreamExecutor final : public Executor {
   // expect, the one furthest behind: peers blocked by a stuck rank get as far as
   // they can without it, so the stuck rank is the one that progressed least.
   void check_peers(const Pending& oldest) const {
+    control_.check_usable(oldest.ctx.operation);  // failed elsewhere, e.g. aborted
     WaitContext no_deadline = oldest.ctx;
     no_deadline.deadline = Clock::time_point::max();
     for (int peer = 0; peer < control_.world(); ++peer) {
-      if (peer != control_.rank()) control_.check_peer(peer, no_deadline);
+      if (peer == control_.rank()) continue;
+      control_.check_peer_failed(peer, no_deadline);
+      // A peer that gave all this collective waits for may leave (or exit) meanwhile.
+      const uint32_t word = control_.progress(peer, ProgressWord::Stream).load(std::memory_order_acquire);
+      if (!reached(word, oldest.awaited[peer])) control_.check_peer(peer, no_deadline);
     }
     if (Clock::now() <= oldest.ctx.deadline) return;
     int behind = -1;
@@ -265,7 +270,9 @@ class StreamExecutor final : public Executor {
         pop_finished();
         continue;
       }
-      if (Clock::now() > give_up) {
+      // A rank that failed (aborted) releases its streams at once; else they get 30 s.
+      const bool failed_before = control_.failure_word(control_.rank()).load(std::memory_order_acquire) != 0;
+      if (failed_before || Clock::now() > give_up) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!failed_) {
           fail(Failure(FailureKind::Timeout, pending_.front().ctx.operation, -1,

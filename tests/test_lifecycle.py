@@ -1,0 +1,191 @@
+"""The life of a group beyond its collectives: shutdown and abort (a group still referenced after
+destroy_process_group lets go of everything), and children forked after init."""
+import json
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
+
+from harness import STREAMS_ENV, raises, run_ranks
+from reference import make_input, mismatch, reduce_reference
+
+EXECUTORS = [pytest.param({}, id="shm"), pytest.param(STREAMS_ENV, id="streams")]
+LAYOUTS = EXECUTORS + [pytest.param(dict(env_per_rank=[{"TORCH_HCA_NODE_ID": n} for n in "aab"]), id="nodes")]
+
+
+def _layout(layout):
+    """run_ranks keywords for a LAYOUTS entry (an executor's env, or nodes by rank)."""
+    return layout if "env_per_rank" in layout else dict(env=layout)
+
+
+def _threads():
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def _mappings():
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum("/dev/shm/torch_hca_" in line for line in f)
+
+
+def _checked_allreduce(rank, world, group, case):
+    inputs = [make_input(case, r, 3000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t, group=group)
+    return mismatch(f"allreduce {case}", t, reduce_reference(inputs, "SUM"), world)
+
+
+def _kept_after_destroy(rank, world):
+    """A group referenced after destroy_process_group (as a DDP model in scope keeps its group):
+    threads and mappings before it, while it runs, after the destroy; and a later call's error."""
+    dist.barrier()  # the world group's executor is set up at its first collective: before the count
+    threads, mappings = [_threads()], [_mappings()]
+    group = dist.new_group(backend="hca")
+    wrong = _checked_allreduce(rank, world, group, 1)
+    peer = (rank + 1) % world
+    recv = dist.irecv(torch.empty(10), src=(rank - 1) % world, group=group)  # starts the mailbox's thread
+    dist.send(torch.ones(10), dst=peer, group=group)
+    recv.wait()
+    threads.append(_threads())
+    mappings.append(_mappings())
+    dist.barrier()  # every rank is done with the group before any destroys it
+    dist.destroy_process_group(group)
+    threads.append(_threads())
+    mappings.append(_mappings())
+    message = raises(lambda: group.allreduce([torch.ones(4)]).wait(), dist.DistBackendError)
+    return threads, mappings, wrong, message
+
+
+@pytest.mark.parametrize("layout", EXECUTORS)  # across nodes, gloo keeps its threads (it has no shutdown)
+def test_a_group_kept_after_destroy_lets_go_of_its_threads_and_memory(layout):
+    for threads, mappings, wrong, message in run_ranks(_kept_after_destroy, 3, **_layout(layout)):
+        assert wrong is None, wrong
+        assert threads[1] > threads[0] and mappings[1] > mappings[0], (threads, mappings)
+        assert threads[2] <= threads[0] and mappings[2] == mappings[0], (threads, mappings)
+        assert "this process group was shut down" in message or "the process group was shut down" in message, message
+
+
+def _ended_with_work_pending(rank, world, how):
+    """Rank 0 aborts a group with a receive and a collective pending, or destroys it; the others
+    then call into it. What each rank's calls raised, and how long they took."""
+    group = dist.new_group(backend="hca", timeout=timedelta(seconds=60))
+    assert _checked_allreduce(rank, world, group, 2) is None
+    got = []
+    if rank == 0:
+        start = time.monotonic()
+        if how == "abort":
+            pending = [group.recv([torch.empty(100)], 1, 7),
+                       dist.all_reduce(torch.ones(1000), group=group, async_op=True)]  # the others never join
+            time.sleep(0.2)
+            start = time.monotonic()
+            _abort_process_group(group)
+            for work in pending:
+                got.append(raises(lambda: work.wait(timeout=timedelta(seconds=10)), dist.DistBackendError))
+        else:
+            dist.destroy_process_group(group)
+        got.append(time.monotonic() - start)
+        dist.barrier()
+    else:
+        dist.barrier()  # rank 0 has ended the group
+        start = time.monotonic()
+        got.append(raises(lambda: dist.all_reduce(torch.ones(1000), group=group), dist.DistBackendError))
+        got.append(time.monotonic() - start)
+        dist.destroy_process_group(group)
+    return got
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_abort_fails_pending_work_at_once_and_peers_learn_why(world, executor):
+    results = run_ranks(_ended_with_work_pending, world, "abort", env=executor)
+    recv, collective, seconds = results[0]
+    assert "destroyed first" in recv, recv
+    assert "rank 0 aborted its process group" in collective, collective
+    assert seconds < 2
+    for message, seconds in results[1:]:
+        assert "rank 0 failed: rank 0 aborted its process group" in message, message
+        assert seconds < 5
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_peers_of_a_rank_that_destroyed_the_group_learn_that_it_left(executor):
+    results = run_ranks(_ended_with_work_pending, 3, "destroy", env=executor)
+    for message, seconds in results[1:]:
+        assert "rank 0 left: its process group was shut down" in message, message
+        assert seconds < 5
+
+
+def _wait_for_child(pid, seconds):
+    """The child's exit status, or None if it is still running after `seconds` (then killed)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def _fork_after_init(rank, world):
+    """Each rank forks a child that tries its parent's group, then destroys it; the parents go
+    on. Returns the child's errors and exit status, and the parents' mismatches after it."""
+    dist.all_reduce(torch.ones(8))
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            calls = [lambda: dist.all_reduce(torch.ones(8)), lambda: dist.send(torch.ones(2), (rank + 1) % world),
+                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier]
+            errors = [raises(call, dist.DistBackendError) for call in calls]
+            dist.destroy_process_group()  # neither hangs nor ends the parent's group
+            os.write(write, json.dumps(errors).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    status = _wait_for_child(child, 30)
+    with os.fdopen(read) as f:
+        errors = json.loads(f.read() or "[]")
+    inputs = [make_input(77, r, 5000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    return errors, status, mismatch("allreduce after the fork", t, reduce_reference(inputs, "SUM"), world)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_child_forked_after_init_is_refused_and_leaves_the_group_alone(layout):
+    for errors, status, wrong in run_ranks(_fork_after_init, 3, pg_timeout_s=20, **_layout(layout)):
+        assert status == 0 and wrong is None, (status, wrong)
+        assert len(errors) == 4
+        for message in errors:
+            assert "was forked from the one that created the process group" in message, message
+
+
+def _parent_dies_with_a_child_alive(rank, world):
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        if os.fork() == 0:  # a DataLoader worker, say: it outlives its parent a while
+            time.sleep(20)
+            os._exit(0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    message = raises(lambda: [dist.all_reduce(torch.ones(100)) for _ in range(100)], dist.DistBackendError)
+    return message, time.monotonic() - start
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_a_rank_dead_while_its_forked_child_lives_is_noticed(executor):
+    for message, seconds in run_ranks(_parent_dies_with_a_child_alive, 3, pg_timeout_s=60, allow_missing=(1,),
+                                      env=executor)[::2]:
+        assert "rank 1 (pid" in message and "died" in message, message
+        assert seconds < 10
+
+
