@@ -343,7 +343,7 @@ def main(argv=None):
                         help="allreduce, broadcast, batch (100 tensors of 4 KiB-4 MiB), latency "
                              "(4 B-64 KiB allreduce, blocking and async)")
     parser.add_argument("--pin", action="store_true",
-                        help="pin rank r to core r %% cores (steadier runs; see the README on bimodal runs)")
+                        help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
     parser.add_argument("--latency-world-sizes", default="1,2,3,4", help="world sizes of the latency table")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -1,0 +1,69 @@
+"""The docs stay true: every TORCH_HCA_* variable the code reads is documented and every documented
+one is read; the README's options table is torch_hca.Options; links between the docs resolve."""
+import dataclasses
+import glob
+import os
+import re
+
+import torch_hca
+from torch_hca.options import ENV_PREFIX
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+VARIABLE = re.compile(r"TORCH_HCA_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def variables_read_by_the_code():
+    """Literal names in the sources and the build, the names the Python side composes from
+    ENV_PREFIX, and one per Options field (Options.from_env)."""
+    names = set()
+    sources = glob.glob(os.path.join(ROOT, "csrc", "**", "*.*"), recursive=True)
+    sources += glob.glob(os.path.join(ROOT, "torch_hca", "*.py")) + [os.path.join(ROOT, "setup.py")]
+    for path in sources:
+        if path.endswith((".cpp", ".h", ".hpp", ".cu", ".cuh", ".py")):
+            text = _read(path)
+            names.update(VARIABLE.findall(text))
+            names.update(ENV_PREFIX + n for n in re.findall(r'ENV_PREFIX \+ "([A-Z0-9_]+)"', text))
+            names.update(ENV_PREFIX + n for n in re.findall(r'_env_int\("([A-Z0-9_]+)"', text))
+    names.update(ENV_PREFIX + f.name.upper() for f in dataclasses.fields(torch_hca.Options))
+    return names
+
+
+def test_every_variable_the_code_reads_is_in_the_table_and_no_other():
+    troubleshooting = _read(os.path.join(ROOT, "docs", "troubleshooting.md"))
+    table = troubleshooting[troubleshooting.index("## Environment variables"):]
+    in_table = set(re.findall(r"^\| `(TORCH_HCA_[A-Z0-9_]+)` \|", table, re.M))
+    read = variables_read_by_the_code()
+    assert read - in_table == set(), "read but not documented"
+    assert in_table - read == set(), "documented but never read"
+    mentioned = set().union(*(VARIABLE.findall(_read(p)) for p in DOCS))
+    assert mentioned - read == set(), "the docs name variables the code does not read"
+
+
+def _options_table():
+    readme = _read(os.path.join(ROOT, "README.md"))
+    section = readme[readme.index("## Options"):]
+    section = section[:section.index("\n## ", 1)]
+    return [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `")]
+
+
+def test_the_readme_options_table_is_torch_hca_options():
+    rows = _options_table()
+    fields = dataclasses.fields(torch_hca.Options)
+    assert [row[0] for row in rows] == [f"`{f.name}`" for f in fields]
+    for row, field in zip(rows, fields):
+        assert row[1].startswith(f"`{ENV_PREFIX}{field.name.upper()}`"), row
+        assert row[2] == f"`{field.default!r}`".replace("'", '"'), (row, field.default)
+
+
+def test_links_between_the_docs_resolve():
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", _read(path)):
+            if not target.startswith("http"):
+                assert os.path.exists(os.path.join(os.path.dirname(path), target)), (path, target)
