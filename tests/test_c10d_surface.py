@@ -256,3 +256,30 @@ def test_profiler_traces_name_every_operation_as_gloo_does(tmp_path):
         # gloo names no event for reduce_scatter_tensor; hca does.
         assert set(listed) == set(gloo[rank][0]) | {"reduce_scatter"}, (listed, gloo[rank][0])
         assert {"all_reduce", "broadcast", "barrier", "send" if rank == 0 else "recv"} <= set(listed), listed
+
+
+def _timeout_set_later(rank, world, backend):
+    """A group created with a 60 s timeout, then set to 1 s through its backend (as
+    `_set_pg_timeout` does for gloo); rank 1 skips a collective. How long the others waited,
+    and what they raised."""
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=60))
+    group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=1))
+    dist.all_reduce(torch.ones(4), group=group)  # the new timeout does not break what arrives
+    if rank == 1:
+        time.sleep(4)
+        return None
+    start = time.monotonic()
+    message = raises(lambda: dist.all_reduce(torch.ones(4), group=group), RuntimeError)
+    return message, time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend, env", [("gloo", {}), ("hca", {}), ("hca", STREAMS_ENV), ("nodes", None)])
+def test_set_timeout_applies_to_later_calls_as_gloo(backend, env):
+    env_per_rank = [{"TORCH_HCA_NODE_ID": n} for n in "aab"] if backend == "nodes" else None
+    results = run_ranks(_timeout_set_later, 3, "hca" if backend == "nodes" else backend, env=env,
+                        env_per_rank=env_per_rank, pg_timeout_s=60)
+    for rank in (0, 2):
+        message, seconds = results[rank]
+        assert 0.8 < seconds < 10, (message, seconds)
+        if backend != "gloo":
+            assert "Timed out after 1000 ms" in message or "across nodes failed" in message, message

@@ -29,6 +29,14 @@ void EngineBackend::abort() {
   if (!in_forked_child()) end_engines(engines_, true);
 }
 
+void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout) {
+  for (auto* engine : {engines.cpu.get(), engines.cuda.get()}) {
+    if (engine) engine->setTimeout(timeout);
+  }
+}
+
+void EngineBackend::setTimeout(std::chrono::milliseconds timeout) { set_engines_timeout(engines_, timeout); }
+
 c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
   owner_.check(op);
   const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;

@@ -16,6 +16,8 @@ struct Engines {
 
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);
+// Sets the default timeout of each engine there is.
+void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout);
 
 class EngineBackend : public c10d::Backend {
  public:
@@ -27,6 +29,7 @@ class EngineBackend : public c10d::Backend {
   // Forwarded to the engines (ProcessGroupNCCL ends its communicators; gloo has neither).
   void shutdown() override;
   void abort() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,

@@ -55,6 +55,13 @@ NodeBackend::~NodeBackend() {
   leave_in_child(cuda_call_streams_);
 }
 
+void NodeBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  local_->setTimeout(timeout);
+  for (auto& entry : leaders_) set_engines_timeout(entry.second, timeout);
+  EngineBackend::setTimeout(timeout);
+}
+
 void NodeBackend::end(bool abort) {
   if (in_forked_child()) return;
   if (!abort) queue_.stop();  // what is queued runs to its end first

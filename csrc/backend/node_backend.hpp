@@ -6,6 +6,7 @@
 // Broadcast, reduce, allgather and barrier take the same path; operations
 // without a hierarchical form go to the engines over every rank (EngineBackend).
 #pragma once
+#include <atomic>
 
 #include <map>
 
@@ -27,6 +28,8 @@ class NodeBackend : public EngineBackend {
   ~NodeBackend() override;
   // As ProcessGroupHCA's: the node's group, then the engines among leaders and
   // of the world; on abort, everything is aborted before the queue is drained.
+  // For every stage: the node's group, the engines among leaders and of the world.
+  void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override { end(false); }
   void abort() override { end(true); }
 
@@ -99,10 +102,10 @@ class NodeBackend : public EngineBackend {
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const CallArgs& args, std::vector<at::Tensor> outputs,
                                         std::function<void()> body, bool async_op);
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const {
-    return timeout == c10d::kUnsetTimeout ? timeout_ : timeout;
+    return timeout == c10d::kUnsetTimeout ? timeout_.load() : timeout;
   }
 
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;
   PlanOptions options_;
   Nodes nodes_;
   c10::intrusive_ptr<ProcessGroupHCA> local_;

@@ -20,7 +20,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);  // the same ops as the other algorithms
-  const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_ : opts.timeout;
+  const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
   auto packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
                                                         make_packs(args.descs(), packing_), opts.reduceOp, timeout);
   std::function<void()> body = [packed, args] {

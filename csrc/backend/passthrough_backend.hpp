@@ -3,6 +3,7 @@
 // tensors, ProcessGroupGloo for CPU tensors); every other operation goes to
 // the engine as it is.
 #pragma once
+#include <atomic>
 #include "../plan/packing.h"
 #include "engine_backend.hpp"
 #include "stream_call.hpp"
@@ -51,11 +52,15 @@ class PassthroughBackend : public EngineBackend {
     EngineBackend::abort();
     queue_.stop();
   }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_ = timeout;
+    EngineBackend::setTimeout(timeout);
+  }
   void startCoalescing() override {}
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
   std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();  // null without CUDA
   WorkQueue queue_;

@@ -57,7 +57,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   TORCH_CHECK_NOT_IMPLEMENTED(args->device().is_cpu(), "hca ", op, ": point-to-point on ", args->device(),
                               " tensors is not supported yet (CPU tensors only)");
   try {
-    control_->begin(op, timeout_);  // refuses a group that failed before
+    control_->begin(op, timeout_.load());  // refuses a group that failed before
   } catch (const Failure& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
@@ -65,7 +65,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, tensors);
   const at::Tensor& dense = args->dense()[0];
   const bool receives = type != c10d::OpType::SEND;
-  shm::Message message{peer, tag, args->descs()[0].dtype, dense.data_ptr(), dense.nbytes(), timeout_,
+  shm::Message message{peer, tag, args->descs()[0].dtype, dense.data_ptr(), dense.nbytes(), timeout_.load(),
                        [work, args, receives, op](int from, std::exception_ptr error) {
                          if (!error && receives) {
                            try {

@@ -111,7 +111,7 @@ CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {
 }
 
 std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milliseconds timeout) const {
-  return timeout == c10d::kUnsetTimeout ? timeout_ : timeout;
+  return timeout == c10d::kUnsetTimeout ? timeout_.load() : timeout;
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
@@ -319,7 +319,7 @@ void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {
-  return launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_, true);
+  return launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
 }
 
 }  // namespace hca

@@ -53,6 +53,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // still referenced (a DDP model in scope); peers waiting on this rank learn
   // that it left. abort: the same, but what is in flight or queued fails at
   // once, and peers learn that this rank aborted. Later calls raise.
+  // The timeout of later calls without one of their own (as gloo's).
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   void shutdown() override { end(false); }
   void abort() override { end(true); }
 
@@ -157,7 +159,7 @@ class ProcessGroupHCA : public c10d::Backend {
 
   OwningProcess owner_;
   PlanOptions options_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
