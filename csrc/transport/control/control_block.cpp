@@ -4,13 +4,14 @@
 
 #include <cstring>
 #include <random>
+#include <vector>
 #include <new>
 
 namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 4;
+constexpr uint32_t kLayoutVersion = 5;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -84,13 +85,40 @@ void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
 template <class Ready>
 void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
-  const RankSlot& mine = slot(rank_);
-  // This rank's own failure ends the wait too: an abort from another thread.
-  wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire); },
-           [&] { return alive(peer); }, [&] { throw_gone(peer, ctx); }, ctx, peer);
+  RankSlot& mine = slot(rank_);
+  mine.waiting_on.store(peer, std::memory_order_relaxed);
+  try {
+    // This rank's own failure ends the wait too: an abort from another thread.
+    wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire); },
+             [&] { return alive(peer); }, [&] { throw_gone(peer, ctx); }, ctx, peer);
+  } catch (const Failure& failure) {
+    mine.waiting_on.store(-1, std::memory_order_relaxed);
+    if (failure.kind() == FailureKind::Timeout) throw_timeout_behind(peer, ctx);
+    throw;
+  }
+  mine.waiting_on.store(-1, std::memory_order_relaxed);
   if (ready()) return;
   check_peer_failed(peer, ctx);
   check_usable(ctx.operation);
+}
+
+void ControlBlock::throw_timeout_behind(int peer, const WaitContext& ctx) const {
+  // Follow who waits for whom from `peer` (the words are peers': checked) until
+  // a rank that waits for nobody, for this rank, or for one already seen.
+  std::vector<bool> seen(static_cast<size_t>(world_), false);
+  seen[static_cast<size_t>(rank_)] = true;
+  int blamed = peer;
+  for (seen[static_cast<size_t>(peer)] = true;;) {
+    const int next = slot(blamed).waiting_on.load(std::memory_order_relaxed);
+    if (next < 0 || next >= world_ || seen[static_cast<size_t>(next)]) break;
+    seen[static_cast<size_t>(next)] = true;
+    blamed = next;
+  }
+  if (blamed == peer) throw_timeout(ctx, peer);
+  throw Failure(FailureKind::Timeout, ctx.operation, blamed,
+                "Timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
+                    std::to_string(blamed) + " (this rank waits for rank " + std::to_string(peer) +
+                    ", which waits for it; it never arrived, is stuck, or called a different collective)");
 }
 
 void ControlBlock::wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const {
@@ -192,6 +220,7 @@ void ControlBlock::scribble_for_test(uint64_t seed) {
   text(mine.failure);
   if (rng() % 2) mine.started.store(rng() % 2 ? rng() : mine.started.load() + 1 + rng() % 3);
   if (rng() % 2) mine.failed.store(static_cast<uint32_t>(rng()));
+  if (rng() % 2) mine.waiting_on.store(static_cast<int32_t>(rng()));
   for (auto& line : mine.progress) {
     if (rng() % 2) line.value.store(static_cast<uint32_t>(rng()));
   }

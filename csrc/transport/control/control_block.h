@@ -44,6 +44,9 @@ struct alignas(kCacheLine) RankSlot {
   int32_t pid;
   // Set when the rank shut its group down: once its lock is gone, it left, not died.
   std::atomic<uint32_t> left;
+  // The rank this one waits for now (-1: none), so that a rank timing out behind
+  // a chain of waiters names the rank at its end, the one that is stuck.
+  std::atomic<int32_t> waiting_on{-1};
   char signature[2][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
@@ -123,6 +126,9 @@ class ControlBlock {
   bool alive(int peer) const;
   // Throws that `peer` left (shut its group down) or died.
   [[noreturn]] void throw_gone(int peer, const WaitContext& ctx) const;
+  // Throws the timeout of a wait on `peer`, blaming the end of the chain of
+  // ranks waiting on one another that starts at `peer`.
+  [[noreturn]] void throw_timeout_behind(int peer, const WaitContext& ctx) const;
   template <class Ready>
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
