@@ -16,8 +16,12 @@ EngineBackend::~EngineBackend() {
 
 void end_engines(Engines& engines, bool abort) {
   for (auto* engine : {engines.cpu.get(), engines.cuda.get()}) {
-    if (engine && abort) engine->abort();
-    if (engine && !abort) engine->shutdown();
+    if (!engine) continue;
+    if (abort) {
+      engine->abort();
+    } else {
+      engine->shutdown();
+    }
   }
 }
 

@@ -7,7 +7,6 @@
 // without a hierarchical form go to the engines over every rank (EngineBackend).
 #pragma once
 #include <atomic>
-
 #include <map>
 
 #include "../plan/nodes.h"
@@ -26,10 +25,10 @@ class NodeBackend : public EngineBackend {
   NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
               c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world);
   ~NodeBackend() override;
-  // As ProcessGroupHCA's: the node's group, then the engines among leaders and
-  // of the world; on abort, everything is aborted before the queue is drained.
   // For every stage: the node's group, the engines among leaders and of the world.
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // As ProcessGroupHCA's: the node's group, then the engines among leaders and
+  // of the world; on abort, everything is aborted before the queue is drained.
   void shutdown() override { end(false); }
   void abort() override { end(true); }
 

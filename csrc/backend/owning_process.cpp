@@ -1,10 +1,20 @@
 #include "owning_process.hpp"
 
 #include <c10/util/Exception.h>
+#include <pthread.h>
 
+#include <atomic>
 #include <string>
 
 namespace hca {
+namespace {
+
+std::atomic<uint64_t> forks{0};
+const bool counting_forks = pthread_atfork(nullptr, nullptr, [] { forks.fetch_add(1); }) == 0;
+
+}  // namespace
+
+uint64_t forks_so_far() { return forks.load(std::memory_order_relaxed); }
 
 void OwningProcess::check(const char* op) const {
   if (is_current()) return;

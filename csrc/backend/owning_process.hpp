@@ -7,6 +7,7 @@
 #pragma once
 #include <unistd.h>
 
+#include <cstdint>
 #include <utility>
 
 namespace hca {
@@ -19,14 +20,19 @@ void leave_in_child(T& object) {
   new T(std::move(object));
 }
 
+// How many forks led to this process (counted in each child at fork): checked
+// on every call, it costs a load where getpid() would cost a system call.
+uint64_t forks_so_far();
+
 class OwningProcess {
  public:
-  bool is_current() const { return getpid() == pid_; }
+  bool is_current() const { return forks_so_far() == forks_; }
   // A DistBackendError naming `op` in any other process.
   void check(const char* op) const;
 
  private:
-  pid_t pid_ = getpid();
+  uint64_t forks_ = forks_so_far();
+  pid_t pid_ = getpid();  // for the message
 };
 
 }  // namespace hca

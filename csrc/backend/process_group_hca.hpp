@@ -48,13 +48,13 @@ class ProcessGroupHCA : public c10d::Backend {
   // rank raise it, and this rank's later calls say the group is unusable. For
   // failures outside the node's media, e.g. of the stage between nodes.
   void fail(FailureKind kind, const std::string& cause);
+  // The timeout of later calls without one of their own (as gloo's).
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   // destroy_process_group calls shutdown: what is queued runs to its end, then
   // the threads are joined and the segments unmapped, even if the group is
   // still referenced (a DDP model in scope); peers waiting on this rank learn
   // that it left. abort: the same, but what is in flight or queued fails at
   // once, and peers learn that this rank aborted. Later calls raise.
-  // The timeout of later calls without one of their own (as gloo's).
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   void shutdown() override { end(false); }
   void abort() override { end(true); }
 

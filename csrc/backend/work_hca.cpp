@@ -259,9 +259,9 @@ void WorkQueue::stop() {
 }
 
 void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
-  const std::string op = c10d::opTypeToString(work->retrieveOpType());
-  owner_.check(op.c_str());
-  if (!worker_.joinable()) {
+  if (!owner_.is_current() || !worker_.joinable()) {
+    const std::string op = c10d::opTypeToString(work->retrieveOpType());
+    owner_.check(op.c_str());
     C10_THROW_ERROR(DistBackendError, "hca " + op + ": the process group was shut down (destroy_process_group, "
                                       "shutdown or abort); create a new one");
   }

@@ -131,7 +131,6 @@ void ControlBlock::check_peer_failed(int peer, const WaitContext& ctx) const {
 }
 
 void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
-  const RankSlot& theirs = slot(peer);
   check_peer_failed(peer, ctx);
   if (!alive(peer)) throw_gone(peer, ctx);
   if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);

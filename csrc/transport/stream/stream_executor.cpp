@@ -238,10 +238,13 @@ class StreamExecutor final : public Executor {
     no_deadline.deadline = Clock::time_point::max();
     for (int peer = 0; peer < control_.world(); ++peer) {
       if (peer == control_.rank()) continue;
-      control_.check_peer_failed(peer, no_deadline);
       // A peer that gave all this collective waits for may leave (or exit) meanwhile.
       const uint32_t word = control_.progress(peer, ProgressWord::Stream).load(std::memory_order_acquire);
-      if (!reached(word, oldest.awaited[peer])) control_.check_peer(peer, no_deadline);
+      if (reached(word, oldest.awaited[peer])) {
+        control_.check_peer_failed(peer, no_deadline);
+      } else {
+        control_.check_peer(peer, no_deadline);
+      }
     }
     if (Clock::now() <= oldest.ctx.deadline) return;
     int behind = -1;
@@ -275,8 +278,15 @@ class StreamExecutor final : public Executor {
       if (failed_before || Clock::now() > give_up) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!failed_) {
-          fail(Failure(FailureKind::Timeout, pending_.front().ctx.operation, -1,
-                       "the group was destroyed with collectives still running 30 s later"));
+          const std::string& operation = pending_.front().ctx.operation;
+          Failure cause(FailureKind::Timeout, operation, -1,
+                        "the group was destroyed with collectives still running 30 s later");
+          try {
+            control_.check_usable(operation);
+          } catch (const Failure& own) {
+            cause = own;  // the rank failed (aborted): its calls are released with that cause
+          }
+          fail(cause);
         }
         poison();
       }
