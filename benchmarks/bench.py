@@ -198,7 +198,7 @@ def worker(rank, world, init, sizes, ops, out_path, device, pin):
 
     torch.set_num_threads(1)
     if pin:  # before any thread starts, so that the backends' threads stay on the rank's core too
-        os.sched_setaffinity(0, {rank % os.cpu_count()})
+        os.sched_setaffinity(0, {pin[rank % len(pin)]})
     dev = rank_device(device, rank)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     timer_group = dist.group.WORLD
@@ -344,6 +344,8 @@ def main(argv=None):
                              "(4 B-64 KiB allreduce, blocking and async)")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
+    parser.add_argument("--pin-cores", help='pin rank r to the r-th of these cores, e.g. "0,32,1,33" to alternate '
+                                            "sockets (groups='auto' then groups the ranks by socket)")
     parser.add_argument("--latency-world-sizes", default="1,2,3,4", help="world sizes of the latency table")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -355,6 +357,8 @@ def main(argv=None):
         n *= args.step
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ops = args.ops.split(",")
+    pin = ([int(c) for c in args.pin_cores.split(",")] if args.pin_cores
+           else list(range(os.cpu_count())) if args.pin else None)
     runs = [(int(w), [op for op in ops if op != "latency"]) for w in args.world_sizes.split(",")]
     if "latency" in ops:
         runs += [(int(w), ["latency"]) for w in args.latency_world_sizes.split(",")]
@@ -364,7 +368,7 @@ def main(argv=None):
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device, args.pin), nprocs=world)
+            mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device, pin), nprocs=world)
             with open(out) as f:
                 rows += json.load(f)
     batches = [r for r in rows if r.get("op") == "batch100"]

@@ -38,13 +38,15 @@ def nccl_fits(ranks):
     return torch.cuda.device_count() >= ranks or torch.cuda.nccl.version() >= (2, 30, 0)
 
 
-def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results):
+def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results, before_init):
     os.environ.update(env or {})
     try:
         import torch.distributed as dist
 
         import torch_hca  # noqa: F401  registers "hca"
 
+        if before_init is not None:
+            before_init(rank)
         torch.set_num_threads(1)
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 pg_options=pg_options, timeout=timedelta(seconds=timeout_s))
@@ -56,17 +58,18 @@ def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_
 
 
 def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, env_per_rank=None,
-              pg_timeout_s=60.0, deadline_s=240.0, allow_missing=()):
+              pg_timeout_s=60.0, deadline_s=240.0, allow_missing=(), before_init=None):
     """Returns [fn's value on rank 0, ..., rank N-1]; raises RankFailed with the tracebacks
     of failed ranks. `env_per_rank` adds variables rank by rank. Ranks in `allow_missing` may
-    end without a result (value None)."""
+    end without a result (value None). `before_init(rank)` runs in each rank before the group
+    is created (picklable: a module-level function or a partial of one)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         envs = [{**(env or {}), **(env_per_rank[r] if env_per_rank else {})} for r in range(world_size)]
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, envs[r], pg_timeout_s,
-                                                  args, results), daemon=True) for r in range(world_size)]
+                                                  args, results, before_init), daemon=True) for r in range(world_size)]
         for p in procs:
             p.start()
         got, deadline = {}, time.monotonic() + deadline_s

@@ -11,10 +11,11 @@ from .collectives import batch_allreduce, monitored_barrier
 from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce, ReductionToOneDevice
 from .explain import NodePlan, Plan, explain
 from .options import Options
+from .topology import hierarchy
 
 register()
 
 __all__ = [
-    "BACKEND_NAME", "Options", "Plan", "NodePlan", "explain", "batch_allreduce", "monitored_barrier", "create_backend", "node_identity",
+    "BACKEND_NAME", "Options", "Plan", "NodePlan", "explain", "hierarchy", "batch_allreduce", "monitored_barrier", "create_backend", "node_identity",
     "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice",
 ]

@@ -6,7 +6,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, topology
 from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
@@ -26,9 +26,9 @@ def create_backend(dist_backend_opts, backend_options):
         cpu_engine, cuda_engine = _engines(dist_backend_opts, store)
         return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
                                      cpu_engine=cpu_engine, cuda_engine=cuda_engine)
-    identities = _C.exchange_node_identities(store, rank, size, node_identity(), timeout_ms)
+    identities = _C.exchange_reports(store, "node_identity", rank, size, node_identity(), timeout_ms)
     if len(set(identities)) == 1:
-        return _node_group(store, rank, size, timeout_ms, options.plan_options())
+        return _node_group(store, rank, size, timeout_ms, options)
     try:
         return _across_nodes(dist_backend_opts, store, options, identities, timeout_ms)
     except Exception as e:
@@ -51,12 +51,16 @@ def node_identity() -> str:
     return os.environ.get("TORCH_HCA_NODE_ID", "").strip() or socket.gethostname()
 
 
-def _node_group(store, rank, size, timeout_ms, plan_options):
-    """hca's own group over the ranks of one node."""
-    return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms, options=plan_options,
-                              shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
-                              cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
-                              cpu_executor=cpu_executor())
+def _node_group(store, rank, size, timeout_ms, options):
+    """hca's own group over the ranks of one node, its hierarchy from where they run (groups="auto")."""
+    cpu, cuda, places = topology.resolve(options.groups, store, rank, size, timeout_ms)
+    group = _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
+                               options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
+                               shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
+                               cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
+                               cpu_executor=cpu_executor())
+    group.hierarchy = topology.describe(cpu, cuda, places)
+    return group
 
 
 def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
@@ -71,9 +75,11 @@ def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
     plan_options = options.plan_options()
     plan_options.validate_across_nodes(identities)
     check_gloo_can_leave_this_host(identities)
-    inside = Options(options.algorithm, num_packs=1)  # one call per pack: the node's group need not split it again
+    # One call per pack: the node's group need not split it again. Its groups: auto or halves
+    # (validate_across_nodes refused groups given across nodes).
+    inside = Options(options.algorithm, num_packs=1, groups=options.groups)
     local = _node_group(dist.PrefixStore(f"hca_node{node}/", store), members[node].index(rank), len(members[node]),
-                        timeout_ms, inside.plan_options())
+                        timeout_ms, inside)
     leader_cpu, leader_cuda = {}, {}
     for position, ranks in enumerate(leaders):
         if rank in ranks:

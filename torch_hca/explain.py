@@ -2,14 +2,15 @@
 
     python -m torch_hca.explain 8 --num-packs 2
     python -m torch_hca.explain 4 --nodes a,a,b,b --num-packs 2
+    python -m torch_hca.explain 4 --numa-nodes "0;1;0;1" --here
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
-from . import _C
+from . import _C, topology
 from .options import Options, shm_chunk_bytes
 
 
@@ -24,6 +25,7 @@ class Plan:
     text: str
     roles: List[List[dict]] = dataclasses.field(default_factory=list)
     rounds: List[List[tuple]] = dataclasses.field(default_factory=list)
+    hierarchy: Optional[topology.Hierarchy] = None
 
     def leaders(self) -> List[int]:
         """The rank that ends each pack's reduction (the last reduce edge's destination)."""
@@ -55,7 +57,7 @@ def explain(
     world_size: int,
     algorithm: str = "hierarchical_copy",
     num_packs: int = 1,
-    groups: Optional[Sequence[Sequence[int]]] = None,
+    groups: Union[str, Sequence[Sequence[int]], None] = "auto",
     reduce_to_device: Optional[int] = None,
     numels: Sequence[int] = (1024,),
     collective: str = "allreduce",
@@ -66,15 +68,20 @@ def explain(
     slot_bytes: Optional[int] = None,
     nodes: Optional[Sequence] = None,
     inter_node_backend: Optional[str] = None,
+    numa_nodes: Optional[Sequence[Sequence[int]]] = None,
+    packages: Optional[Sequence[Sequence[int]]] = None,
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
     rounds that cut the packs to fit a staging slot of `slot_bytes` (default: the shared-memory
     slot, TORCH_HCA_SHM_CHUNK_BYTES). For algorithm="nccl", the packing alone. With `nodes` (each
     rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
-    NodePlan. Prints it if verbose."""
+    NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
+    `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
+    CPU packages); TF's halves where these are not given. Prints it if verbose."""
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
+    hierarchy = _hierarchy(options.groups, world_size, numa_nodes, packages)
     numels = [int(n) for n in numels]
     identities = None if nodes is None else [str(n) for n in nodes]
     if identities is not None and len(identities) != world_size:
@@ -89,12 +96,30 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        packs, text, roles, rounds = _C.plan(collective, world_size, numels, options.plan_options(), root,
-                                             shm_chunk_bytes() if slot_bytes is None else slot_bytes)
-        plan = Plan(list(packs), text, list(roles), [list(r) for r in rounds])
+        packs, text, roles, rounds = _C.plan(collective, world_size, numels, options.plan_options(hierarchy.groups),
+                                             root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
+        plan = Plan(list(packs), f"{hierarchy}\n{text}", list(roles), [list(r) for r in rounds], hierarchy)
     if verbose:
         print(plan)
     return plan
+
+
+def _hierarchy(groups, world_size, numa_nodes, packages) -> topology.Hierarchy:
+    """What groups="auto" gives for the given places; "halves" and given groups as they are."""
+    if groups != "auto" or numa_nodes is None:
+        if groups == "auto":
+            return topology.Hierarchy(_C.default_groups(world_size), "halves", "TF's halves: no places given "
+                                      "(numa_nodes=, packages=; a running group: torch_hca.hierarchy())")
+        return topology.resolve(groups, size=world_size)[0]
+    if len(numa_nodes) != world_size or (packages is not None and len(packages) != world_size):
+        raise ValueError(f"numa_nodes/packages: expected one entry per rank of {world_size}")
+    places = [topology.Place(tuple(packages[r]) if packages else (), tuple(numa_nodes[r])) for r in range(world_size)]
+    return topology.cpu_hierarchy(places)
+
+
+def _ranks_lists(text):
+    """ "0,1;2,3" -> [[0, 1], [2, 3]] """
+    return [[int(r) for r in part.split(",")] for part in text.split(";")]
 
 
 def main(argv=None):
@@ -109,11 +134,18 @@ def main(argv=None):
     parser.add_argument("--root", type=int, default=0)
     parser.add_argument("--slot-bytes", type=int, help="staging slot size for the rounds (default: the shm slot)")
     parser.add_argument("--nodes", help='each rank\'s node, e.g. "a,a,b,b" (allreduce across nodes)')
+    parser.add_argument("--numa-nodes", help='each rank\'s NUMA nodes, e.g. "0;1;0;1" (groups="auto")')
+    parser.add_argument("--packages", help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
+    parser.add_argument("--here", action="store_true", help="print where this process runs (what it would report)")
     args = parser.parse_args(argv)
-    groups = [[int(r) for r in g.split(",")] for g in args.groups.split(";")] if args.groups else None
+    if args.here:
+        print(f"this process: {topology.detect()}")
+    groups = args.groups if args.groups in (None, "auto", "halves") else _ranks_lists(args.groups)
     explain(args.world_size, args.algorithm, args.num_packs, groups, args.reduce_to_device,
             [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True,
-            slot_bytes=args.slot_bytes, nodes=args.nodes.split(",") if args.nodes else None)
+            slot_bytes=args.slot_bytes, nodes=args.nodes.split(",") if args.nodes else None,
+            numa_nodes=_ranks_lists(args.numa_nodes) if args.numa_nodes else None,
+            packages=_ranks_lists(args.packages) if args.packages else None)
 
 
 if __name__ == "__main__":

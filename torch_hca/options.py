@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from . import _C
 
 ALGORITHMS = ("hierarchical_copy", "reduce_to_one_device", "nccl")
 INTER_NODE_BACKENDS = ("gloo", "nccl")
 ENV_PREFIX = "TORCH_HCA_"
+NAMED_GROUPS = ("auto", "halves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,10 @@ class Options:
     num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
     reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
         of `reduce`, else rank 0).
-    groups: the hierarchy's groups of ranks, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]] (None: two halves).
+    groups: the hierarchy's groups of ranks: "auto" (default: ranks that share a CPU package or
+        NUMA node, or whose GPUs reach each other by NVLink or a PCIe switch, form a group; TF's
+        halves where nothing splits the ranks), "halves" (TF's rule: two halves of the ranks), or
+        the groups themselves, e.g. [[0, 1, 2, 3], [4, 5, 6, 7]]. None means "auto".
     agg_small_grads_max_bytes / agg_small_grads_max_group: with num_packs=0, tensors smaller than
         max_bytes are aggregated into packs of at most max_group tensors.
     inter_node_backend: the engine among node leaders when the ranks span several nodes, for CUDA
@@ -36,7 +40,7 @@ class Options:
     algorithm: str = "hierarchical_copy"
     num_packs: int = 1
     reduce_to_device: Optional[int] = None
-    groups: Optional[Sequence[Sequence[int]]] = None
+    groups: Union[str, Sequence[Sequence[int]], None] = "auto"
     agg_small_grads_max_bytes: int = 0
     agg_small_grads_max_group: int = 10
     inter_node_backend: Optional[str] = None
@@ -52,7 +56,13 @@ class Options:
         _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group)
         if self.reduce_to_device is not None:
             _check_int("reduce_to_device", self.reduce_to_device)
-        if self.groups is not None:
+        if self.groups is None:
+            object.__setattr__(self, "groups", "auto")
+        if isinstance(self.groups, str):
+            if self.groups not in NAMED_GROUPS:
+                raise ValueError(f"groups: unknown rule {self.groups!r} (expected {' or '.join(map(repr, NAMED_GROUPS))}, "
+                                 "or lists of ranks)")
+        else:
             try:
                 groups = tuple(tuple(g) for g in self.groups)
             except TypeError:
@@ -70,16 +80,18 @@ class Options:
         """The packing, validated by the plan (ValueError naming the option)."""
         return _C.PackingOptions(self.num_packs, self.agg_small_grads_max_bytes, self.agg_small_grads_max_group)
 
-    def plan_options(self) -> "_C.PlanOptions":
-        """Everything the plan needs, validated by it; the world-dependent rules run in `validate_for`."""
+    def plan_options(self, groups: Optional[Sequence[Sequence[int]]] = None) -> "_C.PlanOptions":
+        """Everything the plan needs, validated by it; the world-dependent rules run in `validate_for`.
+        `groups`: the groups "auto" or "halves" resolved to (default: the given groups, else halves)."""
         if self.algorithm == "nccl":
             raise ValueError("algorithm: 'nccl' hands packs to a stock engine; it has no schedule")
-        return _C.PlanOptions(self.algorithm, self.packing_options(), self.reduce_to_device,
-                              [list(g) for g in self.groups or ()])
+        if groups is None:
+            groups = () if isinstance(self.groups, str) else self.groups
+        return _C.PlanOptions(self.algorithm, self.packing_options(), self.reduce_to_device, [list(g) for g in groups])
 
     @classmethod
     def from_env(cls, environ=None) -> "Options":
-        """Options from TORCH_HCA_ALGORITHM, _NUM_PACKS, _REDUCE_TO_DEVICE, _GROUPS ("0,1;2,3"),
+        """Options from TORCH_HCA_ALGORITHM, _NUM_PACKS, _REDUCE_TO_DEVICE, _GROUPS ("auto", "halves" or "0,1;2,3"),
         _AGG_SMALL_GRADS_MAX_BYTES, _AGG_SMALL_GRADS_MAX_GROUP and _INTER_NODE_BACKEND; unset ones
         take the defaults."""
         environ = os.environ if environ is None else environ
@@ -111,6 +123,8 @@ def _parse(field, text):
     if field in ("algorithm", "inter_node_backend"):
         return text
     if field == "groups":
+        if text in NAMED_GROUPS:
+            return text
         return [[int(r) for r in group.split(",")] for group in text.split(";")]
     return int(text)
 

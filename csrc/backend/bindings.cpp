@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include "../plan/rounds.h"
+#include "../plan/topology.h"
 #include "node_backend.hpp"
 #include "passthrough_backend.hpp"
 #include "process_group_hca.hpp"
@@ -142,7 +143,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
-                       int cuda_slots, const std::string& cpu_executor) {
+                       int cuda_slots, const std::string& cpu_executor, const Groups& cuda_groups) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
                cpu = CpuExecutor::HostStreams;
@@ -152,13 +153,16 @@ PYBIND11_MODULE(_C, m) {
              }
              return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
                                                          options, shm_slot_bytes, shm_slots,
-                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots}, cpu);
+                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots}, cpu,
+                                                         cuda_groups);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
-           py::arg("cpu_executor") = "shm",
+           py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
+      .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
+      .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"));
 
   py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
@@ -189,7 +193,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("local"), py::arg("leader_cpu"), py::arg("leader_cuda"), py::arg("world_cpu"),
            py::arg("world_cuda") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const NodeBackend& pg) { return algorithm_name(pg.options().algorithm); })
-      .def_property_readonly("nodes", [](const NodeBackend& pg) { return pg.nodes().members; });
+      .def_property_readonly("nodes", [](const NodeBackend& pg) { return pg.nodes().members; })
+      .def_property_readonly("local", &NodeBackend::local);
 
   m.def(
       "nodes",
@@ -203,13 +208,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("node_identities"));
   m.def(
-      "exchange_node_identities",
-      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const std::string& mine,
-         int64_t timeout_ms) {
+      "exchange_reports",
+      [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& topic, int rank, int size,
+         const std::string& mine, int64_t timeout_ms) {
         StoreRendezvous rendezvous(store);
-        return exchange_node_identities(rendezvous, rank, size, mine, std::chrono::milliseconds(timeout_ms));
+        return exchange_reports(rendezvous, topic, rank, size, mine, std::chrono::milliseconds(timeout_ms));
       },
-      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
+      py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
   // Tests: attaches as `rank` to the segment the store names under `key` (what a peer rank does).
   m.def(
@@ -251,6 +256,15 @@ PYBIND11_MODULE(_C, m) {
       py::arg("numels"), py::arg("node_identities"), py::arg("options"));
 
   m.def("default_groups", &default_groups, py::arg("world_size"));
+  m.def(
+      "groups_from_places",
+      [](const std::vector<Place>& places, const std::vector<std::string>& level_names) {
+        const Hierarchy h = groups_from_places(places, level_names);
+        return py::make_tuple(h.groups, h.level, h.reason);
+      },
+      py::arg("places"), py::arg("level_names"));
+  m.def("link_cliques", [](const std::vector<std::vector<bool>>& linked) { return checked([&] { return link_cliques(linked); }); },
+        py::arg("linked"));
 #ifdef HCA_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -35,6 +35,7 @@ class NodeBackend : public EngineBackend {
   const std::string getBackendName() const override { return "hca"; }
   const Nodes& nodes() const { return nodes_; }
   const PlanOptions& options() const { return options_; }
+  const c10::intrusive_ptr<ProcessGroupHCA>& local() const { return local_; }  // hca over this rank's node
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;

@@ -18,14 +18,18 @@ constexpr size_t kMailboxRingBytes = 64 * 1024;
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
-                                 int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor)
+                                 int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor,
+                                 Groups cuda_groups)
     : c10d::Backend(rank, size),
       options_(std::move(options)),
+      cuda_options_(options_),
       timeout_(timeout),
       cuda_config_(cuda_config),
       store_(store) {
+  if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
   try {
     validate(options_, size);
+    validate(cuda_options_, size);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -132,6 +136,7 @@ Collective ProcessGroupHCA::cached_collective(const char* name, const CallArgs& 
                                               const std::function<std::vector<PackPlan>()>& plan,
                                               const std::function<std::string()>& details) {
   std::string key(name);
+  key.push_back(static_cast<char>(args.device().type()));  // CPU and CUDA tensors may follow different groups
   key.push_back(static_cast<char>(op));
   key.append(reinterpret_cast<const char*>(&root), sizeof(root));
   args.append_key(key, 0, args.descs().size());
@@ -176,7 +181,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
   const ReduceOp op = args.reduce_op(opts.reduceOp);
   std::vector<Collective> cs;
   cs.push_back(cached_collective(
-      "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_); },
+      "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
   return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                 opts.asyncOp);
@@ -210,7 +215,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   std::vector<Collective> cs;
   const int dst = static_cast<int>(opts.rootRank);
   cs.push_back(cached_collective(
-      "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_); },
+      "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
   return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                 opts.asyncOp);
@@ -265,7 +270,7 @@ Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size
   const at::Tensor& out = args.dense()[output];
   std::vector<TensorSpan> spans;
   for (int j = 0; j < getSize(); ++j) spans.push_back({byte_offset(in, j * numel), out.data_ptr()});
-  return collective(plan_reduce_scatter(args.descs()[output], getSize(), options_), std::move(spans), op, args.name(),
+  return collective(plan_reduce_scatter(args.descs()[output], getSize(), options_for(args.device())), std::move(spans), op, args.name(),
                     args.text(output, 1) + ", " + op_name(op));
 }
 

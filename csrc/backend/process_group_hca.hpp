@@ -29,14 +29,21 @@ enum class CpuExecutor { SharedMemory, HostStreams };
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
-  // `options` must have been validated (validate(options, size) runs again here).
+  // `options` must have been validated (validate(options, size) runs again here);
+  // their groups serve CPU tensors, `cuda_groups` (empty: the same) CUDA tensors.
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
-                  cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory);
+                  cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory,
+                  Groups cuda_groups = {});
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
   const PlanOptions& options() const { return options_; }
+  // The hierarchy's groups that plans for CPU or CUDA tensors follow.
+  const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
+  // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
+  const std::string& hierarchy() const { return hierarchy_; }
+  void set_hierarchy(std::string text) { hierarchy_ = std::move(text); }
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {
@@ -156,9 +163,14 @@ class ProcessGroupHCA : public c10d::Backend {
   Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
   Collective reduce_scatter_collective(const CallArgs& args, size_t output, size_t input, ReduceOp op) const;
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
+  const PlanOptions& options_for(const at::Device& device) const {
+    return device.is_cuda() ? cuda_options_ : options_;
+  }
 
   OwningProcess owner_;
-  PlanOptions options_;
+  PlanOptions options_;       // CPU tensors
+  PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups
+  std::string hierarchy_;
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   c10::intrusive_ptr<c10d::Store> store_;

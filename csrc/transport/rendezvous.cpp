@@ -30,15 +30,15 @@ void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std
   }
 }
 
-std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
-                                                  std::chrono::milliseconds timeout) {
-  const std::string prefix = "hca_node_identity/";
+std::vector<std::string> exchange_reports(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
+                                          const std::string& mine, std::chrono::milliseconds timeout) {
+  const std::string prefix = "hca_" + topic + "/";
   rendezvous.set(prefix + std::to_string(rank), mine);
   std::vector<std::string> identities;
   for (int r = 0; r < world; ++r) {
     const std::string key = prefix + std::to_string(r);
     await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
-                "hca: rank " + std::to_string(r) + " did not announce its node");
+                "hca: rank " + std::to_string(r) + " did not report its " + topic);
     identities.push_back(rendezvous.get(key));
   }
   return identities;

@@ -31,9 +31,10 @@ void check_setup_failure(Rendezvous& rendezvous);
 void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std::chrono::milliseconds timeout,
                  const std::string& what);
 
-// Every rank's node identity (`mine` on this rank), in rank order: ranks that
-// pass equal identities share a node (its memory, its devices).
-std::vector<std::string> exchange_node_identities(Rendezvous& rendezvous, int rank, int world, const std::string& mine,
-                                                  std::chrono::milliseconds timeout);
+// Every rank's report on `topic` (`mine` on this rank), in rank order: e.g. each
+// rank's node identity (equal identities share memory and devices) or its place
+// on the node (CPU packages, NUMA nodes, GPU links).
+std::vector<std::string> exchange_reports(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
+                                          const std::string& mine, std::chrono::milliseconds timeout);
 
 }  // namespace hca

@@ -148,23 +148,33 @@ size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what) {
 
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                              const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
-                             const std::string& mismatch_hint)
+                             const std::string& mismatch_hint, size_t share_bytes)
     : bytes_(bytes) {
   const std::string host = hostname();
+  // This rank's pages: its share, or everything for rank 0 when nothing is shared out.
+  const size_t reserve_from = share_bytes ? static_cast<size_t>(rank) * share_bytes : 0;
+  const size_t reserve_bytes = share_bytes ? share_bytes : (rank == 0 ? bytes : 0);
+  auto reserve = [&](int fd) {
+    const int err = reserve_bytes ? posix_fallocate(fd, static_cast<off_t>(reserve_from), static_cast<off_t>(reserve_bytes)) : 0;
+    if (err) {
+      fail("reserving " + std::to_string(reserve_bytes) + " bytes in /dev/shm for the " + key + " segment (" + layout +
+               "; if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
+               "TORCH_HCA_SHM_CHUNK_BYTES)",
+           err);
+    }
+  };
   if (rank == 0) {
     sweep_stale_segments();
     const std::string name = fresh_name();
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) fail("shm_open " + name, errno);
-    // Reserve the pages now: a full /dev/shm fails here, not with SIGBUS later.
-    int err = ftruncate(fd, static_cast<off_t>(bytes)) ? errno : posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-    if (err) {
+    try {
+      if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) fail("sizing the " + key + " segment", errno);
+      reserve(fd);
+    } catch (...) {
       close(fd);
       shm_unlink(name.c_str());
-      fail("reserving " + std::to_string(bytes) + " bytes in /dev/shm for the " + key + " segment (" + layout +
-               "; if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
-               "TORCH_HCA_SHM_CHUNK_BYTES)",
-           err);
+      throw;
     }
     base_ = map(fd, bytes);
     keep(fd);
@@ -203,6 +213,13 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
       throw;
     }
     const bool same = owner_layout == layout && static_cast<size_t>(st.st_size) == bytes;
+    try {
+      if (same) reserve(fd);
+    } catch (...) {
+      close(fd);
+      rendezvous.add(key + "_attached", 1);
+      throw;
+    }
     if (same) {
       base_ = map(fd, bytes);
       keep(fd);

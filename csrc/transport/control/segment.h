@@ -22,9 +22,14 @@ class SharedSegment {
   // (e.g. "16 slots of 131072 bytes per rank"); a rank that expects another
   // layout fails with `mismatch_hint` in the message (which setting must agree
   // across ranks): two layouts of the same size would otherwise corrupt silently.
+  // Pages are reserved at setup (a full /dev/shm fails there, not with SIGBUS
+  // later). With `share_bytes` > 0, rank r owns [r * share_bytes, (r + 1) *
+  // share_bytes) and reserves it itself, so its pages come from the memory of
+  // the NUMA node it runs on (the kernel places a tmpfs page where the task
+  // that allocates it runs); else rank 0 reserves everything.
   SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                 const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
-                const std::string& mismatch_hint);
+                const std::string& mismatch_hint, size_t share_bytes = 0);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;

@@ -41,7 +41,8 @@ std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std
       rendezvous, key, rank, world, bytes,
       std::to_string(slots) + " slots of " + std::to_string(slot_bytes) + " bytes per rank",
       timeout, [](char*) {},
-      "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank");
+      "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be the same on every rank",
+      bytes / static_cast<size_t>(world));  // a rank's slots on its own NUMA node: leaders read them where they can
 }
 
 ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t slot_bytes, int slots,

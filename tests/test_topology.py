@@ -1,0 +1,243 @@
+"""groups="auto": the hierarchy from where the ranks run, on fake machines (sysfs trees, affinity
+masks, GPU link tables), and every collective checked under each detected hierarchy."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from torch_hca import topology
+from torch_hca.topology import GpuLinks, Machine, Place
+
+from harness import SMALL_CHUNKS, run_ranks
+from reference import make_input, mismatch, reduce_reference
+
+
+def fake_sysfs(root: Path, node_cpus, package_of_node):
+    """A sysfs tree: NUMA node n holds CPUs node_cpus[n]; its CPUs sit in package package_of_node[n]."""
+    system = root / "sys/devices/system"
+    for node, cpus in enumerate(node_cpus):
+        (system / f"node/node{node}").mkdir(parents=True)
+        (system / f"node/node{node}/cpulist").write_text(_cpulist(cpus) + "\n")
+        for cpu in cpus:
+            (system / f"cpu/cpu{cpu}/topology").mkdir(parents=True)
+            (system / f"cpu/cpu{cpu}/topology/physical_package_id").write_text(f"{package_of_node[node]}\n")
+    return str(root)
+
+
+def _cpulist(cpus):
+    """sysfs's form: ranges of consecutive CPUs ("0-3,8")."""
+    cpus, parts = sorted(cpus), []
+    start = prev = cpus[0]
+    for c in cpus[1:] + [None]:
+        if c != prev + 1 if c is not None else True:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = c
+        prev = c
+    return ",".join(parts)
+
+
+# Machines, as (CPUs of each NUMA node, package of each node).
+TWO_SOCKETS_X2 = ([range(0, 4), range(4, 8), range(8, 12), range(12, 16)], [0, 0, 1, 1])  # 2 sockets x 2 nodes
+FOUR_NODES = ([range(0, 4), range(4, 8), range(8, 12), range(12, 16)], [0, 0, 0, 0])      # one socket, 4 nodes
+UNEVEN = ([range(0, 6), range(6, 8)], [0, 1])                                             # 6 + 2 CPUs
+ONE_NODE = ([range(0, 8)], [0])
+
+
+def machine_root(tmp_path, machine):
+    node_cpus, packages = machine
+    return fake_sysfs(tmp_path / "m", [list(c) for c in node_cpus], packages)
+
+
+# (name, machine, each rank's CPUs, expected CPU groups, expected basis)
+CASES = [
+    ("2 sockets x 2 nodes, ranks alternate sockets", TWO_SOCKETS_X2,
+     [[0], [8], [1], [9], [4], [12], [5], [13]], [[0, 2, 4, 6], [1, 3, 5, 7]], "CPU package"),
+    ("4 nodes of one socket, 8 ranks", FOUR_NODES,
+     [[r % 4 * 4 + r // 4] for r in range(8)], [[0, 4], [1, 5], [2, 6], [3, 7]], "NUMA node"),
+    ("uneven nodes", UNEVEN, [[0], [1], [6], [2], [7]], [[0, 1, 3], [2, 4]], "CPU package"),
+    ("ranks pinned across two nodes", FOUR_NODES,
+     [range(0, 8), range(8, 16), range(0, 8), range(8, 16)], [[0, 2], [1, 3]], "NUMA node"),
+    ("unpinned ranks", TWO_SOCKETS_X2, [range(16)] * 4, [[0, 1], [2, 3]], "halves"),
+    ("some ranks unpinned", TWO_SOCKETS_X2, [[0], [8], range(16)], [[0, 1, 2]], "halves"),
+    ("one NUMA node", ONE_NODE, [[0], [1], [2], [3], [4]], [[0, 1], [2, 3, 4]], "halves"),
+]
+
+
+@pytest.mark.parametrize("name,machine,cpus,groups,basis", CASES, ids=[c[0] for c in CASES])
+def test_cpu_groups_from_fake_machines(tmp_path, name, machine, cpus, groups, basis):
+    root = machine_root(tmp_path, machine)
+    places = [topology.detect(Machine(root, frozenset(c))) for c in cpus]
+    h = topology.cpu_hierarchy(places)
+    assert (h.groups, h.basis) == (groups, basis), h.reason
+
+
+def test_detect_reads_packages_nodes_and_no_information(tmp_path):
+    root = machine_root(tmp_path, TWO_SOCKETS_X2)
+    assert topology.detect(Machine(root, frozenset({3, 4}))) == Place((0,), (0, 1), None)
+    assert topology.detect(Machine(root, frozenset({0, 15}))) == Place((0, 1), (0, 3), None)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    nothing = topology.detect(Machine(str(empty), frozenset({0})))
+    assert (nothing.packages, nothing.numa_nodes) == ((), ())
+    h = topology.cpu_hierarchy([nothing] * 4)
+    assert (h.groups, h.basis) == ([[0, 1], [2, 3]], "halves") and "rank 0 reported no NUMA node" in h.reason
+
+
+def test_overlapping_places_keep_the_halves_and_say_why(tmp_path):
+    root = machine_root(tmp_path, FOUR_NODES)
+    places = [topology.detect(Machine(root, frozenset(c))) for c in ([0, 4], [1], [8], [12])]
+    h = topology.cpu_hierarchy(places)
+    assert h.basis == "halves"
+    assert "rank 1 runs on NUMA node 0 and rank 0 on NUMA node 0,1, which overlap" in h.reason, h.reason
+
+
+def test_this_machine_is_detected():
+    """Whatever this machine is, detection runs on its real sysfs and gives a partition."""
+    place = topology.detect()
+    assert place.numa_nodes, "this machine's sysfs names no NUMA node for this process"
+    h = topology.cpu_hierarchy([place] * 4)
+    assert h.groups == [[0, 1], [2, 3]] and h.basis == "halves"
+
+
+def _dgx1():
+    """DGX-1's NVLink hybrid cube mesh: quads fully linked, GPU i linked to i + 4."""
+    return [[a // 4 == b // 4 or abs(a - b) == 4 for b in range(8)] for a in range(8)]
+
+
+def _gpu_places(linked, gpu_of_rank):
+    uuids = [f"gpu{i}" for i in range(len(linked))]
+    links = [GpuLinks(uuids[i], frozenset(u for j, u in enumerate(uuids) if linked[i][j])) for i in range(len(linked))]
+    return [Place(gpu=None if g is None else links[g]) for g in gpu_of_rank]
+
+
+GPU_CASES = [
+    ("DGX-1 cube mesh", _dgx1(), list(range(8)), [[0, 1, 2, 3], [4, 5, 6, 7]], "GPU link domain"),
+    ("DGX-1, ranks interleaved", _dgx1(), [0, 4, 1, 5, 2, 6, 3, 7], [[0, 2, 4, 6], [1, 3, 5, 7]], "GPU link domain"),
+    ("two PCIe switches, 2 ranks a GPU", [[a // 2 == b // 2 for b in range(4)] for a in range(4)],
+     [0, 0, 1, 1, 2, 2, 3, 3], [[0, 1, 2, 3], [4, 5, 6, 7]], "GPU link domain"),
+    ("NVSwitch: every GPU linked", [[True] * 4 for _ in range(4)], [0, 1, 2, 3], [[0, 1], [2, 3]], "halves"),
+    ("several ranks on one GPU", [[True]], [0, 0, 0], [[0, 1, 2]], "halves"),
+    ("a rank without GPU information", _dgx1(), [0, 1, 4, None], [[0, 1], [2, 3]], "halves"),
+    ("no links at all", [[a == b for b in range(3)] for a in range(3)], [0, 1, 2], [[0], [1], [2]],
+     "GPU link domain"),
+]
+
+
+@pytest.mark.parametrize("name,linked,gpu_of_rank,groups,basis", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_groups_from_link_tables(name, linked, gpu_of_rank, groups, basis):
+    h = topology.gpu_hierarchy(_gpu_places(linked, gpu_of_rank))
+    assert (h.groups, h.basis) == (groups, basis), h.reason
+
+
+def test_a_link_one_side_reports_is_not_a_link():
+    linked = [[True, True], [False, True]]
+    assert topology.gpu_hierarchy(_gpu_places(linked, [0, 1])).groups == [[0], [1]]
+
+
+def test_places_travel_as_json():
+    place = Place((0, 1), (2,), GpuLinks("abc", frozenset({"abc", "def"})))
+    assert Place.from_json(place.to_json()) == place
+
+
+def test_groups_option_names_and_environment():
+    assert torch_hca.Options().groups == "auto" and torch_hca.Options(groups=None).groups == "auto"
+    assert torch_hca.Options.from_env({"TORCH_HCA_GROUPS": "halves"}).groups == "halves"
+    assert torch_hca.Options.from_env({"TORCH_HCA_GROUPS": "0,1;2"}).groups == ((0, 1), (2,))
+    with pytest.raises(ValueError, match="groups: unknown rule 'sockets'"):
+        torch_hca.Options(groups="sockets")
+
+
+def test_explain_shows_the_groups_of_given_numa_nodes():
+    plan = torch_hca.explain(4, num_packs=4, numa_nodes=[[0], [1], [0], [1]], numels=[64])
+    assert plan.hierarchy.groups == [[0, 2], [1, 3]] and plan.hierarchy.basis == "NUMA node"
+    assert "ranks 0,2 on NUMA node 0" in plan.text
+    assert [sorted({s for step in p["steps"] for _, s, _ in step} | {d for step in p["steps"] for *_, d in step})
+            for p in plan.packs] == [[0, 1, 2, 3]] * 4
+    halves = torch_hca.explain(4, numels=[64])
+    assert halves.hierarchy.basis == "halves"
+
+
+# --- every collective under each detected hierarchy, on real ranks ---------------------------------
+
+def _fake_machine(root, cpus, gpu_links, rank):
+    """Runs in each rank before init: detection reads the fake machine."""
+    links = None if gpu_links is None else gpu_links[rank]
+    topology.MACHINE = lambda: Machine(root, frozenset(cpus[rank]), links)
+
+
+def _collectives(rank, world, groups, basis, cuda_groups):
+    """The hierarchy found, then allreduce (several packs), reduce and broadcast from every root,
+    allgather and reduce_scatter, each checked against a float64 reference."""
+    errors = []
+    found = torch_hca.hierarchy()
+    if (found["cpu"].groups, found["cpu"].basis) != (groups, basis):
+        errors.append(f"world group: {found['cpu']}")
+    if cuda_groups is not None and found["cuda"].groups != cuda_groups:
+        errors.append(f"CUDA groups: {found['cuda']}")
+    case = 0
+    for options in (torch_hca.Options(num_packs=world + 1), torch_hca.Options("reduce_to_one_device", num_packs=2)):
+        group = dist.new_group(backend="hca", pg_options=options)
+        if torch_hca.hierarchy(group)["cpu"].groups != groups:
+            errors.append(f"{options}: {torch_hca.hierarchy(group)['cpu']}")
+        for dtype in (torch.float32, torch.bfloat16, torch.int64):
+            for numel in (1, 50_001):
+                case += 1
+                inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+                t = inputs[rank].clone()
+                dist.all_reduce(t, group=group)
+                errors.append(mismatch(f"all_reduce {dtype} {numel}", t, reduce_reference(inputs, "SUM"), world))
+                for root in range(world):
+                    t = inputs[rank].clone()
+                    dist.reduce(t, dst=root, group=group)
+                    want = reduce_reference(inputs, "SUM") if rank == root else inputs[rank]
+                    errors.append(mismatch(f"reduce {dtype} {numel} dst={root}", t, want, world))
+                    t = inputs[rank].clone()
+                    dist.broadcast(t, src=root, group=group)
+                    errors.append(mismatch(f"broadcast {dtype} {numel} src={root}", t, inputs[root], world))
+                flat = torch.empty(numel * world, dtype=dtype)
+                dist.all_gather_single(flat, inputs[rank], group=group)
+                errors.append(mismatch(f"all_gather {dtype} {numel}", flat, torch.cat(inputs), world))
+                big = [make_input(case + 100, r, numel * world, dtype, "SUM") for r in range(world)]
+                out = torch.empty(numel, dtype=dtype)
+                dist.reduce_scatter_single(out, big[rank], group=group)
+                want = reduce_reference(big, "SUM")[rank * numel:(rank + 1) * numel]
+                errors.append(mismatch(f"reduce_scatter {dtype} {numel}", out, want, world))
+        dist.destroy_process_group(group)
+    return [e for e in errors if e]
+
+
+RANK_CASES = [c for c in CASES if c[0] in ("2 sockets x 2 nodes, ranks alternate sockets",
+                                           "4 nodes of one socket, 8 ranks", "uneven nodes",
+                                           "ranks pinned across two nodes", "some ranks unpinned")]
+
+
+@pytest.mark.parametrize("name,machine,cpus,groups,basis", RANK_CASES, ids=[c[0] for c in RANK_CASES])
+def test_every_collective_under_the_detected_hierarchy(tmp_path, name, machine, cpus, groups, basis):
+    root = machine_root(tmp_path, machine)
+    world = len(cpus)
+    gpu_links = None
+    cuda_groups = None
+    if world == 8:  # and a GPU link table for CUDA tensors: the ranks interleaved on a DGX-1
+        places = _gpu_places(_dgx1(), [0, 4, 1, 5, 2, 6, 3, 7])
+        gpu_links, cuda_groups = [p.gpu for p in places], [[0, 2, 4, 6], [1, 3, 5, 7]]
+    setup = functools.partial(_fake_machine, root, [list(c) for c in cpus], gpu_links)
+    assert run_ranks(_collectives, world, groups, basis, cuda_groups, env=SMALL_CHUNKS, before_init=setup,
+                     deadline_s=400) == [[]] * world
+
+
+def _hierarchy_named(rank, world):
+    return [str(torch_hca.hierarchy()["cpu"].basis), torch_hca.hierarchy()["places"]]
+
+
+@pytest.mark.parametrize("env,basis", [({}, "halves"), ({"TORCH_HCA_GROUPS": "halves"}, "halves"),
+                                       ({"TORCH_HCA_GROUPS": "0,2;1"}, "given")])
+def test_this_machine_and_the_named_rules(env, basis):
+    """On this machine (one NUMA node here) auto keeps the halves and says why."""
+    got = run_ranks(_hierarchy_named, 3, env=env)
+    assert [g[0] for g in got] == [basis] * 3
+    assert (got[0][1] is None) == bool(env)

@@ -1,0 +1,221 @@
+"""Where each rank runs, and the hierarchy's groups from it (`groups="auto"`).
+
+At init every rank reports its place through the store: for CPU tensors, the CPU packages and
+NUMA nodes of the CPUs it may run on; for CUDA tensors, its GPU and the GPUs it reaches by
+NVLink or a common PCIe switch. The plan (`_C.groups_from_places`) turns the reports into
+groups, the same on every rank since every rank reads the same reports. Unpinned ranks, one
+NUMA node or no information leave TF's halves, as before.
+
+Detection reads the machine through `Machine` only (sysfs, the affinity mask, GPU links),
+so tests hand it fake machines."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
+
+from . import _C
+
+CPU_LEVELS = ("CPU package", "NUMA node")  # coarsest first: the first that splits the ranks wins
+GPU_LEVELS = ("GPU link domain",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What detection reads. sysfs_root: the root under which `sys/devices/system` lies;
+    affinity: the CPUs this process may run on (None: `os.sched_getaffinity(0)`);
+    gpu: this rank's GPU and the GPUs it reaches fast, as `GpuLinks` (None: asked of NVML or
+    CUDA where this process has initialized CUDA)."""
+
+    sysfs_root: str = "/"
+    affinity: Optional[FrozenSet[int]] = None
+    gpu: Optional["GpuLinks"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuLinks:
+    """A GPU by its UUID, and the GPUs (UUIDs, itself included) it reaches by NVLink or
+    through a common PCIe switch."""
+
+    uuid: str
+    reaches: FrozenSet[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """One rank's report: CPU packages and NUMA nodes of its CPUs (empty: unknown), its GPU."""
+
+    packages: tuple = ()
+    numa_nodes: tuple = ()
+    gpu: Optional[GpuLinks] = None
+
+    def to_json(self) -> str:
+        gpu = None if self.gpu is None else {"uuid": self.gpu.uuid, "reaches": sorted(self.gpu.reaches)}
+        return json.dumps({"packages": list(self.packages), "numa_nodes": list(self.numa_nodes), "gpu": gpu})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Place":
+        d = json.loads(text)
+        gpu = None if d["gpu"] is None else GpuLinks(d["gpu"]["uuid"], frozenset(d["gpu"]["reaches"]))
+        return cls(tuple(d["packages"]), tuple(d["numa_nodes"]), gpu)
+
+    def __str__(self) -> str:
+        cpu = (f"CPU package {_ids(self.packages)}, NUMA node {_ids(self.numa_nodes)}"
+               if self.numa_nodes else "no NUMA information")
+        return cpu + (f", GPU {self.gpu.uuid}" if self.gpu else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hierarchy:
+    """The groups of one device type and why: `basis` is the level they follow ("CPU package",
+    "NUMA node", "GPU link domain"), "halves" (TF's rule) or "given" (the user's groups)."""
+
+    groups: List[List[int]]
+    basis: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"groups {self.groups} by {self.basis}: {self.reason}"
+
+
+def detect(machine: Optional[Machine] = None) -> Place:
+    """This process's place on its node."""
+    machine = machine or MACHINE()
+    affinity = set(os.sched_getaffinity(0) if machine.affinity is None else machine.affinity)
+    sysfs = Path(machine.sysfs_root) / "sys/devices/system"
+    node_cpus = {int(d.name[4:]): _cpulist(d / "cpulist") for d in sysfs.glob("node/node[0-9]*")}
+    numa_nodes = tuple(sorted(n for n, cpus in node_cpus.items() if cpus & affinity))
+    packages = [_read_int(sysfs / f"cpu/cpu{cpu}/topology/physical_package_id") for cpu in sorted(affinity)]
+    packages = () if None in packages else tuple(sorted(set(packages)))
+    return Place(packages, numa_nodes, machine.gpu if machine.gpu is not None else _gpu_links())
+
+
+MACHINE: Callable[[], Machine] = Machine  # what `detect` reads by default; tests replace it with a fake machine
+
+
+def cpu_hierarchy(places: Sequence[Place]) -> Hierarchy:
+    """Ranks grouped by CPU package where the ranks span several, else by NUMA node."""
+    return _hierarchy([[list(p.packages), list(p.numa_nodes)] for p in places], CPU_LEVELS)
+
+
+def gpu_hierarchy(places: Sequence[Place]) -> Hierarchy:
+    """Ranks grouped by cliques of GPUs that reach each other by NVLink or a PCIe switch."""
+    gpus = list(dict.fromkeys(p.gpu.uuid for p in places if p.gpu is not None))
+    reaches: Dict[str, set] = {g: set() for g in gpus}
+    for p in places:
+        if p.gpu is not None:
+            reaches[p.gpu.uuid] |= p.gpu.reaches
+    linked = [[a == b or (b in reaches[a] and a in reaches[b]) for b in gpus] for a in gpus]
+    clique = dict(zip(gpus, _C.link_cliques(linked)))
+    return _hierarchy([[[clique[p.gpu.uuid]] if p.gpu is not None else []] for p in places], GPU_LEVELS)
+
+
+def resolve(groups, store=None, rank=0, size=1, timeout_ms=0, places: Optional[Sequence[Place]] = None):
+    """(CPU hierarchy, CUDA hierarchy, places) for `Options.groups`: the user's groups, TF's
+    halves, or ("auto") from the places the ranks report through `store` (or the `places` given;
+    places is None unless "auto")."""
+    if not isinstance(groups, str):
+        given = Hierarchy([list(g) for g in groups], "given", "the groups option")
+        return given, given, None
+    if groups == "halves":
+        halves = Hierarchy(_C.default_groups(size), "halves", "groups='halves' (TF's rule)")
+        return halves, halves, None
+    if places is None:
+        reports = _C.exchange_reports(store, "place", rank, size, detect().to_json(), timeout_ms)
+        places = [Place.from_json(r) for r in reports]
+    return cpu_hierarchy(places), gpu_hierarchy(places), list(places)
+
+
+def describe(cpu: Hierarchy, cuda: Hierarchy, places: Optional[Sequence[Place]]) -> str:
+    """What `torch_hca.hierarchy` returns, as stored on the backend."""
+    return json.dumps({"cpu": dataclasses.asdict(cpu), "cuda": dataclasses.asdict(cuda),
+                       "places": None if places is None else [str(p) for p in places]})
+
+
+def _hierarchy(places, level_names) -> Hierarchy:
+    groups, level, reason = _C.groups_from_places(places, list(level_names))
+    return Hierarchy(groups, level_names[level] if level >= 0 else "halves", reason)
+
+
+def _gpu_links() -> Optional[GpuLinks]:
+    """This rank's GPU where the process has initialized CUDA (torch.cuda.set_device does):
+    asking otherwise would create a CUDA context in CPU-only jobs."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    device = torch.cuda.current_device()
+
+    def uuid_of(d):
+        return _bare_uuid(torch.cuda.get_device_properties(d).uuid)
+
+    try:
+        reaches = _nvml_reaches(uuid_of(device))
+    except ImportError:  # no NVML binding: CUDA's peer access, among the GPUs this process sees
+        reaches = {uuid_of(d) for d in range(torch.cuda.device_count()) if torch.cuda.can_device_access_peer(device, d)}
+    return GpuLinks(uuid_of(device), frozenset(reaches | {uuid_of(device)}))
+
+
+def _nvml_reaches(uuid: str) -> set:
+    """The GPUs NVML sees linked to `uuid` by NVLink or under a common PCIe switch."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handles = {_bare_uuid(pynvml.nvmlDeviceGetUUID(h)): h
+                   for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))}
+        mine = handles[uuid]
+        return {other for other, h in handles.items()
+                if pynvml.nvmlDeviceGetP2PStatus(mine, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+                or pynvml.nvmlDeviceGetTopologyCommonAncestor(mine, h) <= pynvml.NVML_TOPOLOGY_MULTIPLE}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _bare_uuid(uuid) -> str:
+    """A GPU's UUID as text without NVML's "GPU-" prefix (torch prints it without)."""
+    text = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    return text.removeprefix("GPU-")
+
+
+def _cpulist(path: Path) -> set:
+    """A sysfs CPU list ("0-3,8-11") as a set."""
+    cpus = set()
+    for part in path.read_text().strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _ids(ids) -> str:
+    return ",".join(map(str, ids)) or "?"
+
+
+def hierarchy(group=None) -> Dict[str, object]:
+    """The hierarchy an `hca` process group (default: the world) found at init:
+    {"cpu": Hierarchy, "cuda": Hierarchy, "places": each rank's place in words, or None where
+    groups were given or "halves"}. Across nodes: this rank's node's group."""
+    import torch
+    import torch.distributed as dist
+
+    backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    if isinstance(backend, _C.NodeBackend):
+        backend = backend.local
+    if not isinstance(backend, _C.ProcessGroupHCA):
+        raise ValueError(f"hierarchy: the group's backend is {type(backend).__name__}; only hca's own algorithms "
+                         "(hierarchical_copy, reduce_to_one_device) have one")
+    d = json.loads(backend.hierarchy)
+    # The groups as the plans use them (the backend's), the rest as found at init.
+    return {"cpu": dataclasses.replace(Hierarchy(**d["cpu"]), groups=backend.groups(cuda=False)),
+            "cuda": dataclasses.replace(Hierarchy(**d["cuda"]), groups=backend.groups(cuda=True)),
+            "places": d["places"]}
