@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from reference import DTYPES, FLOATS, OPS, make_input, mismatch, rank_device, reduce_reference, supported
+from reference import (DTYPES, FLOATS, OPS, all_gather_single, make_input,
+                       mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 
 def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case, dev):
@@ -80,7 +81,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
         case += 1
         inputs = [make_input(case, r, 517, dtype, "SUM") for r in range(world)]
         out = torch.full((world * 517,), 7, dtype=dtype, device=dev)
-        dist.all_gather_into_tensor(out, inputs[rank].to(dev, copy=True), group=group)
+        all_gather_single(out, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
         outs = [torch.full((517,), 7, dtype=dtype, device=dev) for _ in range(world)]
         dist.all_gather(outs, inputs[rank].to(dev, copy=True), group=group)
@@ -90,7 +91,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
         inputs = [make_input(case, r, world * 333, torch.float32, op) for r in range(world)]
         want = reduce_reference(inputs, op)[rank * 333:(rank + 1) * 333]
         out = torch.full((333,), 7.0, device=dev)
-        dist.reduce_scatter_tensor(out, inputs[rank].to(dev, copy=True), op=OPS[op], group=group)
+        reduce_scatter_single(out, inputs[rank].to(dev, copy=True), op=OPS[op], group=group)
         errors.append(mismatch(f"reduce_scatter_tensor {op}", out, want, world))
         out = torch.full((333,), 7.0, device=dev)
         dist.reduce_scatter(out, list(inputs[rank].to(dev, copy=True).chunk(world)), op=OPS[op], group=group)

@@ -7,6 +7,10 @@ import torch.distributed as dist
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool]
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn); an older torch (2.11 on the GPU machine) has only the old ones.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
        "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import STREAMS_ENV, raises, run_ranks
-from reference import make_input, mismatch, reduce_reference
+from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -230,8 +230,8 @@ def _profiled(rank, world, trace_path):
         dist.all_reduce(t, async_op=True).wait()
         dist.broadcast(t, 0)
         dist.all_gather([torch.empty(10) for _ in range(world)], torch.ones(10))
-        dist.all_gather_into_tensor(torch.empty(10 * world), torch.ones(10))
-        dist.reduce_scatter_tensor(torch.empty(10), torch.ones(10 * world))
+        all_gather_single(torch.empty(10 * world), torch.ones(10))
+        reduce_scatter_single(torch.empty(10), torch.ones(10 * world))
         dist.all_to_all_single(torch.empty(2 * world), torch.ones(2 * world))
         if rank == 0:
             dist.send(t, 1)

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import SMALL_CHUNKS, run_ranks
-from reference import DTYPES, FLOATS, OPS, make_input, mismatch, rank_device, reduce_reference, supported
+from reference import (DTYPES, FLOATS, OPS, all_gather_single, make_input,
+                       mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 WORLD_SIZES = [1, 2, 3, 4]
 CONFIGS = {
@@ -115,12 +116,12 @@ def _rooted(rank, world, device):
                 for r in range(world):
                     errors.append(mismatch(f"all_gather {dtype} {numel} from {r}", outs[r], inputs[r], world))
                 flat = torch.empty(numel * world, dtype=dtype, device=dev)
-                dist.all_gather_into_tensor(flat, inputs[rank], group=group)
+                all_gather_single(flat, inputs[rank], group=group)
                 errors.append(mismatch(f"all_gather_into_tensor {dtype} {numel}", flat, torch.cat(inputs), world))
                 if dtype in FLOATS:
                     big = [make_input(case + 1, r, numel * world, dtype, "SUM").to(dev) for r in range(world)]
                     out = torch.empty(numel, dtype=dtype, device=dev)
-                    dist.reduce_scatter_tensor(out, big[rank], op=dist.ReduceOp.AVG, group=group)
+                    reduce_scatter_single(out, big[rank], op=dist.ReduceOp.AVG, group=group)
                     want = reduce_reference(big, "AVG")[rank * numel:(rank + 1) * numel]
                     errors.append(mismatch(f"reduce_scatter_tensor {dtype} {numel}", out, want, world))
         dist.barrier(group=group)

@@ -14,7 +14,7 @@ import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
 from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, raises, run_ranks
 from netns import pid_namespaces_unavailable, run_in_pid_namespaces
-from reference import make_input, mismatch, rank_device, reduce_reference
+from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
 # Failures must be found by both executors of CPU tensors: the shared-memory one, and the
 # stream executor that CUDA tensors use (its watchdog releases the waiting streams).
@@ -46,7 +46,7 @@ def _bad_input(rank, world):
         # torch checks list dtypes itself; hca checks the flat form.
         "gather dtype": raises(lambda: dist.all_gather([torch.ones(3)] * world, torch.ones(3, dtype=torch.int64)),
                                 ValueError),
-        "flat gather dtype": raises(lambda: dist.all_gather_into_tensor(torch.ones(3 * world),
+        "flat gather dtype": raises(lambda: all_gather_single(torch.ones(3 * world),
                                                                          torch.ones(3, dtype=torch.int64)), TypeError),
     }
     # The group still works after rejected calls: nothing was started.
@@ -85,9 +85,9 @@ def _aliasing(rank, world, device):
     refused = {
         "same tensor twice": lambda: dist.all_reduce_coalesced([x, x], group=group),
         "overlapping views": lambda: dist.all_reduce_coalesced([x[0:20], x[10:30]], group=group),
-        "gather input in another rank's chunk": lambda: dist.all_gather_into_tensor(
+        "gather input in another rank's chunk": lambda: all_gather_single(
             x[:10 * world], x[10 * ((rank + 1) % world):][:10], group=group),
-        "scatter output in another rank's chunk": lambda: dist.reduce_scatter_tensor(
+        "scatter output in another rank's chunk": lambda: reduce_scatter_single(
             x[10 * ((rank + 1) % world):][:10], x[:10 * world], group=group),
         "list gather input in another output": lambda: dist.all_gather(
             list(x[:10 * world].chunk(world)), x[10 * ((rank + 1) % world):][:10], group=group),
@@ -99,7 +99,7 @@ def _aliasing(rank, world, device):
         inputs = [make_input(500 + case, r, n, dtype, "SUM") for r in range(world)]
         out = torch.zeros(n * world, dtype=dtype, device=dev)
         out[rank * n:(rank + 1) * n] = inputs[rank].to(dev)
-        dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group=group)
+        all_gather_single(out, out[rank * n:(rank + 1) * n], group=group)
         errors.append(mismatch(f"in-place all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
         outs = [torch.zeros(n, dtype=dtype, device=dev) for _ in range(world)]
         outs[rank].copy_(inputs[rank])
@@ -107,7 +107,7 @@ def _aliasing(rank, world, device):
         errors.append(mismatch(f"in-place all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
         big = [make_input(600 + case, r, n * world, dtype, "SUM") for r in range(world)]
         t = big[rank].to(dev, copy=True)
-        dist.reduce_scatter_tensor(t[rank * n:(rank + 1) * n], t, group=group)
+        reduce_scatter_single(t[rank * n:(rank + 1) * n], t, group=group)
         want = reduce_reference(big, "SUM")[rank * n:(rank + 1) * n]
         errors.append(mismatch(f"in-place reduce_scatter_tensor {dtype}", t[rank * n:(rank + 1) * n], want, world))
     return msgs, [e for e in errors if e]

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from harness import SMALL_CHUNKS, raises, run_ranks
-from reference import DTYPES, make_input, rank_device
+from reference import DTYPES, all_gather_single, make_input, rank_device
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -120,7 +120,7 @@ def _coalesced(rank, world, device):
         flats = [torch.full((world * n,), 7, dtype=dtype, device=dev) for n in sizes]
         with dist._coalescing_manager(device=dev, async_ops=True) as cm:
             for flat, x in zip(flats, ins):
-                dist.all_gather_into_tensor(flat, x)
+                all_gather_single(flat, x)
         cm.wait()
         for k, n in enumerate(sizes):
             _check(errors, f"coalesced all_gather_into_tensor {dtype} tensor {k}", flats[k],

@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import torch_hca
 from harness import SMALL_CHUNKS, run_ranks
 from node_cases import fsdp2_training
-from reference import make_input, mismatch, rank_device, reduce_reference
+from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -28,11 +28,11 @@ def _issue_mixed(rank, world, dev, group, case):
     calls.append((dist.broadcast(t, src=world - 1, group=group, async_op=True), "broadcast", t, inputs[world - 1]))
     inputs = [make_input(case + 6, r, 20_000, torch.bfloat16, "SUM") for r in range(world)]
     out = torch.empty(20_000 * world, dtype=torch.bfloat16, device=dev)
-    work = dist.all_gather_into_tensor(out, inputs[rank].to(dev), group=group, async_op=True)
+    work = all_gather_single(out, inputs[rank].to(dev), group=group, async_op=True)
     calls.append((work, "all_gather_into_tensor", out, torch.cat(inputs)))
     inputs = [make_input(case + 7, r, 25_000 * world, torch.float32, "SUM") for r in range(world)]
     out = torch.empty(25_000, dtype=torch.float32, device=dev)
-    work = dist.reduce_scatter_tensor(out, inputs[rank].to(dev), group=group, async_op=True)
+    work = reduce_scatter_single(out, inputs[rank].to(dev), group=group, async_op=True)
     want = reduce_reference(inputs, "SUM")[rank * 25_000:(rank + 1) * 25_000]
     calls.append((work, "reduce_scatter_tensor", out, want))
     return calls

@@ -14,7 +14,7 @@ from torch_hca import topology
 from torch_hca.topology import GpuLinks, Machine, Place
 
 from harness import SMALL_CHUNKS, run_ranks
-from reference import make_input, mismatch, reduce_reference
+from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 
 def fake_sysfs(root: Path, node_cpus, package_of_node):
@@ -200,11 +200,11 @@ def _collectives(rank, world, groups, basis, cuda_groups):
                     dist.broadcast(t, src=root, group=group)
                     errors.append(mismatch(f"broadcast {dtype} {numel} src={root}", t, inputs[root], world))
                 flat = torch.empty(numel * world, dtype=dtype)
-                dist.all_gather_single(flat, inputs[rank], group=group)
+                all_gather_single(flat, inputs[rank], group=group)
                 errors.append(mismatch(f"all_gather {dtype} {numel}", flat, torch.cat(inputs), world))
                 big = [make_input(case + 100, r, numel * world, dtype, "SUM") for r in range(world)]
                 out = torch.empty(numel, dtype=dtype)
-                dist.reduce_scatter_single(out, big[rank], group=group)
+                reduce_scatter_single(out, big[rank], group=group)
                 want = reduce_reference(big, "SUM")[rank * numel:(rank + 1) * numel]
                 errors.append(mismatch(f"reduce_scatter {dtype} {numel}", out, want, world))
         dist.destroy_process_group(group)
