@@ -5,7 +5,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test deps build bench clean
+.PHONY: run test deps build bench clean check-torch
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
@@ -22,6 +22,11 @@ bench:
 test: build
 	PYTHON=$(PYTHON) bash tools/check_cuda_compile.sh
 	cd tests && $(PYTHON) -m pytest -q
+
+# The suite against another torch, in a virtual environment of its own (CI stays on $(TORCH_VERSION)):
+#   make check-torch TORCH=2.14.1
+check-torch:
+	bash tools/check_torch.sh $(TORCH)
 
 clean:
 	rm -rf build *.egg-info torch_hca/*.so

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "../transport/shm/shm_executor.h"
@@ -25,6 +26,9 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       cuda_options_(options_),
       timeout_(timeout),
       cuda_config_(cuda_config),
+      shm_slot_bytes_(shm_slot_bytes),
+      shm_slots_(shm_slots),
+      cpu_executor_kind_(cpu_executor),
       store_(store) {
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
   try {
@@ -92,6 +96,41 @@ void ProcessGroupHCA::end(bool abort) {
   control_->mark_left();  // what peers still waiting on this rank are told
   control_.reset();
   ended_ = abort ? "aborted" : "shut down";
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupHCA::getBackendOptions() {
+  return c10::make_intrusive<Options>(getBackendName(), timeout_.load());
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_ptr<c10d::Store>& store,
+                                                         const std::vector<int>& ranks,
+                                                         const c10::intrusive_ptr<Options>& opts) {
+  check_open("split");
+  if (opts && !opts->group_name.empty() && opts->group_name == last_split_name_) {
+    if (auto same = last_split_.lock()) return same;
+  }
+  std::vector<int> sorted(ranks);
+  std::sort(sorted.begin(), sorted.end());
+  const auto at = std::lower_bound(sorted.begin(), sorted.end(), getRank());
+  if (at == sorted.end() || *at != getRank()) return nullptr;
+  for (int r : sorted) check_rank(r, getSize(), "ranks", "split");
+  PlanOptions child = options_;
+  child.groups = restrict_groups(options_.groups, sorted);
+  // The same reducing rank where the child has it, else the child's default.
+  const auto reducer = std::find(sorted.begin(), sorted.end(), options_.reduce_to_device);
+  child.reduce_to_device = reducer == sorted.end() ? -1 : static_cast<int>(reducer - sorted.begin());
+  auto group = c10::make_intrusive<ProcessGroupHCA>(
+      store, static_cast<int>(at - sorted.begin()), static_cast<int>(sorted.size()),
+      opts ? opts->timeout : timeout_.load(), std::move(child), shm_slot_bytes_, shm_slots_, cuda_config_,
+      cpu_executor_kind_, restrict_groups(cuda_options_.groups, sorted));
+  std::string parent_ranks;
+  for (int r : sorted) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
+  const std::string how = R"({"groups": [], "basis": "split", "reason": "the parent group's, kept for its ranks )" +
+                          parent_ranks + R"("})";
+  group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
+  last_split_name_ = opts ? opts->group_name : "";
+  last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(group);
+  return group;
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {

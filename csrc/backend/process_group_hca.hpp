@@ -38,6 +38,13 @@ class ProcessGroupHCA : public c10d::Backend {
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  // ProcessGroup::splitGroup: a child over `ranks` (of this group) on `store`, with this
+  // group's options, staging sizes and executor, its groups those of this group restricted
+  // to the child's ranks; nullptr on a rank outside `ranks`.
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
   const PlanOptions& options() const { return options_; }
   // The hierarchy's groups that plans for CPU or CUDA tensors follow.
   const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
@@ -173,6 +180,14 @@ class ProcessGroupHCA : public c10d::Backend {
   std::string hierarchy_;
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
+  size_t shm_slot_bytes_;
+  int shm_slots_;
+  CpuExecutor cpu_executor_kind_;
+  // The last child split off, by group name: ProcessGroup::splitGroup asks each of its
+  // device types (cpu and cuda: both this backend) for a split on the same store, and
+  // a second group there would clash with the first's rendezvous.
+  std::string last_split_name_;
+  c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
   std::atomic<const char*> ended_{nullptr};  // "shut down" or "aborted"

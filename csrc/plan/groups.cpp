@@ -1,5 +1,6 @@
 #include "groups.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -33,6 +34,19 @@ void validate_groups(const Groups& groups, int world) {
   for (int r = 0; r < world; ++r) {
     if (!seen[r]) throw std::invalid_argument("groups: rank " + std::to_string(r) + " is in no group");
   }
+}
+
+Groups restrict_groups(const Groups& groups, const std::vector<int>& ranks) {
+  Groups out;
+  for (const auto& group : groups) {
+    std::vector<int> kept;
+    for (int r : group) {
+      auto at = std::lower_bound(ranks.begin(), ranks.end(), r);
+      if (at != ranks.end() && *at == r) kept.push_back(static_cast<int>(at - ranks.begin()));
+    }
+    if (!kept.empty()) out.push_back(std::move(kept));
+  }
+  return out;
 }
 
 int group_of(const Groups& groups, int rank) {

@@ -15,6 +15,11 @@ Groups default_groups(int world);
 // partitions the ranks 0..world-1.
 void validate_groups(const Groups& groups, int world);
 
+// The groups of a subset of the ranks (a split): each group keeps its members
+// among `ranks` (sorted, distinct), renumbered by their position there; groups
+// left empty are dropped.
+Groups restrict_groups(const Groups& groups, const std::vector<int>& ranks);
+
 // Index of the group that holds `rank`; the groups must be valid.
 int group_of(const Groups& groups, int rank);
 
