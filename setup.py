@@ -2,8 +2,10 @@
 
     pip install --no-build-isolation .      (or -e . for development)
 
-The CUDA executor is built where torch has CUDA and nvcc is found (set TORCH_HCA_NO_CUDA=1 to
-skip it); elsewhere the extension serves CPU tensors only.
+The CUDA executor is built where torch has CUDA and the CUDA toolkit is found (CUDA_HOME, else
+where nvcc is; set TORCH_HCA_NO_CUDA=1 to skip it), also without a GPU (then for the GPUs of
+ARCHS_WITHOUT_A_GPU unless TORCH_CUDA_ARCH_LIST says otherwise); elsewhere the extension serves
+CPU tensors only.
 """
 import glob
 import os
@@ -21,16 +23,31 @@ def sources(folders, patterns=("*.cpp",)):
     return sorted(f for folder in folders for p in patterns for f in glob.glob(os.path.join("csrc", folder, p)))
 
 
+# GPUs the CUDA parts are compiled for when no GPU is here to ask (a login node, CI): Turing to
+# Blackwell, the range of CUDA 13, with PTX for later ones. TORCH_CUDA_ARCH_LIST overrides it.
+ARCHS_WITHOUT_A_GPU = "7.5;8.0;9.0;10.0;12.0+PTX"
+
+
 def with_cuda():
-    return torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("TORCH_HCA_NO_CUDA") != "1"
+    if torch.version.cuda is None or CUDA_HOME is None or os.environ.get("TORCH_HCA_NO_CUDA") == "1":
+        return False
+    if not os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime.h")):
+        # torch takes CUDA_HOME from nvcc's folder when unset; a wrapper in /usr/local/bin misleads it
+        print(f"torch_hca: CUDA_HOME={CUDA_HOME} has no include/cuda_runtime.h; set CUDA_HOME to the CUDA toolkit "
+              "(e.g. /usr/local/cuda) to build the CUDA executor. Building for CPU tensors only.")
+        return False
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ARCHS_WITHOUT_A_GPU)
+    return True
 
 
-CXX_FLAGS = ["-O3", "-std=c++17"]
+# No -std: torch's build adds the standard its headers need (C++17 up to 2.13, C++20 from 2.14 on).
+CXX_FLAGS = ["-O3"]
 if with_cuda():
     extension = CUDAExtension(
         "torch_hca._C",
         sources(CPU_FOLDERS) + sources(CUDA_FOLDERS, ("*.cpp", "*.cu")),
-        extra_compile_args={"cxx": CXX_FLAGS + ["-DHCA_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17", "-DHCA_WITH_CUDA"]},
+        extra_compile_args={"cxx": CXX_FLAGS + ["-DHCA_WITH_CUDA"], "nvcc": ["-O3", "-DHCA_WITH_CUDA"]},
         libraries=["rt"],
     )
 else:

@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: check_torch.sh TORCH_VERSION}
 venv=${TORCH_HCA_CHECK_VENV:-$HOME/.cache/torch_hca/venv-torch-$version}
+# torch guesses the toolkit from nvcc's folder, which a wrapper in /usr/local/bin makes wrong
+[[ -z ${CUDA_HOME:-} && -d /usr/local/cuda ]] && export CUDA_HOME=/usr/local/cuda
 [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$version" -r requirements-dev.txt
 # A copy of the working tree (tracked and new files, not ignored ones): the build must not
