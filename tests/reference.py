@@ -80,7 +80,7 @@ def mismatch(name, got, want, world_size):
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
     tol = tolerance(want.dtype, world_size)
-    a, b = got.to(torch.float64), want.to(torch.float64)
+    a, b = got.to(torch.float64).flatten(), want.to(torch.float64).flatten()  # first bad element by flat index
     bad = ~torch.isclose(a, b, **tol) if tol["rtol"] or tol["atol"] else a != b
     if bad.any():
         i = int(bad.nonzero()[0])
