@@ -79,9 +79,12 @@ def _temporaries_in_flight(rank, world, device):
     errors, futures, checks = [], [], []
     for i in range(4):
         base = [make_input(300 + i, r, 300 * 301, torch.float32, "SUM").reshape(300, 301) for r in range(world)]
-        view = base[rank].to(dev).t()  # non-contiguous: hca all-reduces a dense copy, then writes back
+        # The reference first, from tensors the collective does not share: on "cpu" a plain
+        # .to(dev) would alias base[rank], which the write-back below changes at any moment.
+        want = reduce_reference([b.t() for b in base], "SUM")
+        view = base[rank].to(dev, copy=True).t()  # non-contiguous: hca all-reduces a dense copy, then writes back
         futures.append(dist.all_reduce(view, async_op=True).get_future())
-        checks.append((f"transposed view {i}", view, reduce_reference([b.t() for b in base], "SUM")))
+        checks.append((f"transposed view {i}", view, want))
         ins = [[make_input(400 + i * world + j, r, 9_000, torch.float32, "SUM") for j in range(world)]
                for r in range(world)]
         out = torch.empty(9_000, device=dev)
