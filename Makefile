@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make run   installs what is needed, builds the extension, runs the benchmark (main job)
+#   make run   installs what is needed, builds the extension, runs the benchmarks (main job):
+#              collectives, then training steps (DDP, FSDP2; short)
 #   make test  builds if needed, compiles the CUDA path with nvcc where found, runs the test suite
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
@@ -18,6 +19,7 @@ run: build bench
 
 bench:
 	$(PYTHON) benchmarks/bench.py
+	$(PYTHON) benchmarks/training.py --short
 
 test: build
 	PYTHON=$(PYTHON) bash tools/check_cuda_compile.sh

@@ -1,0 +1,39 @@
+"""benchmarks/training.py measures what it says: the collectives it replays are the ones DDP and
+FSDP2 issued in a step (sizes from the model's parameters), and every contender gives every mode."""
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import training  # noqa: E402
+
+
+@pytest.mark.parametrize("world", [2, 3])  # FSDP2 issues no collectives at 1
+def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
+    result = training.main(["--models", "tiny", "--world-sizes", str(world), "--wrappers", "ddp,fsdp2",
+                            "--rounds", "1", "--steps", "1", "--batches", "2", "--out", str(tmp_path)])
+    model, _ = training.tiny()
+    numels = [sum(p.numel() for p in layer.parameters()) for layer in model if list(layer.parameters())]
+    # FSDP2 pads each parameter's dim 0 to a multiple of the world size.
+    padded = [sum(math.ceil(p.shape[0] / world) * world * p[0].numel() for p in layer.parameters())
+              for layer in model if list(layer.parameters())]
+    launches = result["launches"]
+    assert {(r["wrapper"], r["contender"]) for r in launches} == {
+        (w, c) for w in ("ddp", "fsdp2") for c, _, _ in training.contenders(world)}
+    for r in launches:
+        assert all(r[f"{m}_ms"] > 0 for m in ("step", "local", "bookkeeping", "alone")), r
+        if r["wrapper"] == "ddp":
+            assert sum(r["bucket_bytes"]) == r["bytes"] == 4 * sum(numels)
+        else:
+            gathers = [c for c in r["calls"] if c[0] == "gather"]
+            scatters = [c for c in r["calls"] if c[0] == "scatter"]
+            assert sorted(c[2] for c in scatters) == sorted(padded)  # each layer's gradients, once
+            assert {c[1] for c in gathers} == set(padded) and len(gathers) >= len(padded)
+            assert all(c[1] * world == c[2] for c in scatters) and all(c[2] * world == c[1] for c in gathers)
+    table = result["table"]
+    assert len(table) == len(launches)
+    for row in table:
+        assert row["comm_ms"] == pytest.approx(row["step_ms"] - row["local_ms"])
+    assert (tmp_path / f"cpu-training-ranks{world}-{training.datetime.date.today().isoformat()}.png").exists()
