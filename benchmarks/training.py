@@ -113,7 +113,7 @@ def recorded_collectives(calls):
             setattr(dist, n, fn)
 
 
-def replay(calls, world):
+def replay(calls):
     """A function issuing `calls` (as recorded) in order, as the step did: a blocking call waited
     before the next, async ones issued back-to-back and waited at the end."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -167,7 +167,7 @@ def ddp_modes(model, batches, world, bucket_view=False):
     sizes = [int(s) for s in str(info.get("rebuilt_bucket_sizes") or info["bucket_sizes"]).split(",")]
     calls = [("allreduce", nbytes // 4, nbytes // 4, torch.float32, True) for nbytes in sizes]
     return (dict(step=step, local=local, bookkeeping=lambda: training_step(bookkeeping, bookkeeping_opt, next(batches)),
-                 alone=replay(calls, world)),
+                 alone=replay(calls)),
             dict(buckets=len(sizes), bytes=sum(sizes), bucket_bytes=sizes))
 
 
@@ -205,7 +205,7 @@ def fsdp2_modes(model, batches, world):
         step()
     moved = sum(out * dtype.itemsize for kind, out, inp, dtype, async_op in calls)
     return (dict(step=step, local=lambda: training_step(plain, plain_opt, next(batches)), bookkeeping=bookkeeping,
-                 alone=replay(calls, world)),
+                 alone=replay(calls)),
             dict(collectives=len(calls), bytes=moved,
                  calls=[[kind, out, inp, str(dtype), async_op] for kind, out, inp, dtype, async_op in calls]))
 
