@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import alternating_medians
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -213,22 +215,6 @@ def fsdp2_modes(model, batches, world):
 WRAPPERS = {"ddp": ddp_modes, "ddp-bucket-view": lambda *a: ddp_modes(*a, bucket_view=True), "fsdp2": fsdp2_modes}
 
 
-def timed_batches(modes, steps, batches):
-    """Seconds per call of each mode: the median over `batches` batches of `steps` calls, slowest
-    rank; the modes take turns, in order and then in reverse."""
-    samples = {mode: [] for mode in modes}
-    for b in range(batches):
-        for mode in list(modes)[::1 if b % 2 == 0 else -1]:
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                modes[mode]()
-            samples[mode].append((time.perf_counter() - start) / steps)
-    medians = torch.tensor([statistics.median(samples[m]) for m in modes], dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return dict(zip(modes, medians.tolist()))
-
-
 def measure(rank, world, model_name, wrapper, steps, batches):
     """(seconds per mode, what one step sent) for this rank."""
     torch.manual_seed(0)
@@ -237,7 +223,7 @@ def measure(rank, world, model_name, wrapper, steps, batches):
     data = [make_batch(g) for _ in range(4)]
     stream = (data[i % len(data)] for i in range(1 << 30))
     modes, traffic = WRAPPERS[wrapper](model, stream, world)
-    return timed_batches(modes, steps, batches), traffic
+    return alternating_medians(modes, dict.fromkeys(modes, steps), dist.group.WORLD, batches), traffic
 
 
 def worker(rank, world, init, contender, model_name, wrapper, steps, batches, out_path):
