@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch.distributed.distributed_c10d import SHRINK_ABORT, SHRINK_DEFAULT
+
 import torch_hca
 from harness import STREAMS_ENV, raises, run_ranks
 from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
@@ -63,9 +65,10 @@ def _sequence(rank, world):
     return start, pg._get_sequence_number_for_group()
 
 
+@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "nccl"])
 @pytest.mark.parametrize("world", [1, 3])
-def test_sequence_numbers_count_collectives(world):
-    assert run_ranks(_sequence, world) == [(0, 4)] * world
+def test_sequence_numbers_count_collectives(world, algorithm):
+    assert run_ranks(_sequence, world, pg_options=torch_hca.Options(algorithm)) == [(0, 4)] * world
 
 
 def _objects(rank, world):
@@ -256,6 +259,102 @@ def test_profiler_traces_name_every_operation_as_gloo_does(tmp_path):
         # gloo names no event for reduce_scatter_tensor; hca does.
         assert set(listed) == set(gloo[rank][0]) | {"reduce_scatter"}, (listed, gloo[rank][0])
         assert {"all_reduce", "broadcast", "barrier", "send" if rank == 0 else "recv"} <= set(listed), listed
+
+
+def _comms_metadata(rank, world, trace_path):
+    """The metadata a Chrome trace carries for each call (what trace-analysis tools read), for
+    calls on the world and on the group of ranks [0, 2]."""
+    from torch.profiler import ProfilerActivity, profile
+    pair = dist.new_group([0, 2])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(torch.ones(500, dtype=torch.bfloat16))
+        if rank != 1:
+            dist.broadcast(torch.ones(7), 2, group=pair, async_op=True).wait()
+        all_gather_single(torch.empty(10 * world), torch.ones(10))
+        reduce_scatter_single(torch.empty(3, dtype=torch.int64), torch.ones(3 * world, dtype=torch.int64))
+        sends = list(range(1, world + 1))  # j + 1 elements to rank j
+        dist.all_to_all_single(torch.empty(world * (rank + 1)), torch.ones(sum(sends)), [rank + 1] * world, sends)
+        if rank == 0:
+            dist.send(torch.ones(9), 1)
+        elif rank == 1:
+            dist.recv(torch.empty(9), 0)
+        dist.barrier()
+    prof.export_chrome_trace(f"{trace_path}.{rank}.json")
+    with open(f"{trace_path}.{rank}.json") as f:
+        events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "record_param_comms"]
+    keys = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "In split size", "Out split size",
+            "Group size", "Process Group Ranks", "Rank", "Seq")
+    return [{k: e.get(k) for k in keys} for e in events], dist.get_rank(pair) if rank != 1 else None
+
+
+def test_profiler_traces_carry_the_calls_metadata(tmp_path):
+    """As ProcessGroupNCCL records it (ParamCommsUtils.hpp): name, sizes, dtype, the group's size
+    and ranks in the world, the rank (for a message: its peer), and a sequence number per group."""
+    world = 3
+    for rank, (events, pair_rank) in enumerate(run_ranks(_comms_metadata, world, str(tmp_path / "trace"))):
+        def call(name, dtype, n_in, n_out, splits=("[]", "[]"), size=world, ranks="[0, 1, 2]", who=rank, seq=None):
+            return {"Collective name": name, "dtype": dtype, "In msg nelems": n_in, "Out msg nelems": n_out,
+                    "In split size": splits[0], "Out split size": splits[1], "Group size": size,
+                    "Process Group Ranks": ranks, "Rank": who, "Seq": seq}
+        want = [call("allreduce", "BFloat16", 500, 500)]
+        if rank != 1:
+            want.append(call("broadcast", "Float", 7, 7, size=2, ranks="[0, 2]", who=pair_rank, seq=1))
+        want += [call("allgather_into_tensor_coalesced", "Float", 10, 10 * world),
+                 call("reduce_scatter_tensor_coalesced", "Long", 3 * world, 3),
+                 call("all_to_all", "Float", 6, world * (rank + 1), ("[1, 2, 3]", str([rank + 1] * world)))]
+        if rank < 2:
+            want.append(call("send" if rank == 0 else "recv", "Float", 9, 9, who=0 if rank == 1 else 1))
+        want.append(call("barrier", "Byte", 0, 0))
+        seqs = iter(range(1, 10))
+        for w in want:
+            if w["Seq"] is None:
+                w["Seq"] = next(seqs)  # the world's calls, numbered in order
+        assert events == want, (rank, events)
+
+
+def _shrunk(rank, world, gone, abort):
+    """The ranks in `gone` leave without a word (as a crashed rank would); the others shrink the
+    world to themselves (with SHRINK_ABORT: while a collective waits on the ones gone) and all-reduce
+    on the shrunk group, now the default one."""
+    dist.barrier()
+    if rank in gone:
+        time.sleep(3 if abort else 0)  # alive and silent: only the abort can end what waits on it
+        os._exit(0)
+    pending = dist.all_reduce(torch.ones(4), async_op=True) if abort else None
+    start = time.monotonic()
+    shrunk = dist.shrink_group(gone, shrink_flags=SHRINK_ABORT if abort else SHRINK_DEFAULT)
+    kept = [r for r in range(world) if r not in gone]
+    inputs = [make_input(13, r, 20_001, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    error = mismatch("allreduce", t, reduce_reference([inputs[r] for r in kept], "SUM"), len(kept))
+    failed = raises(pending.wait, RuntimeError) if abort else None
+    return (shrunk.rank(), shrunk.size(), dist.get_world_size(), error, torch_hca.hierarchy(shrunk)["cpu"].basis,
+            failed, time.monotonic() - start)
+
+
+@pytest.mark.parametrize("world, gone, abort", [(3, [1], False), (4, [0], False), (4, [1, 3], False),
+                                                (3, [2], True)])
+def test_shrink_group_leaves_out_ranks_that_are_gone(world, gone, abort):
+    """As NCCL's shrink (gloo has none): the staying ranks renumbered in order, the parent's
+    options kept; with SHRINK_ABORT, what waited on the parent fails at once."""
+    results = run_ranks(_shrunk, world, gone, abort, allow_missing=tuple(gone), pg_timeout_s=60)
+    kept = [r for r in range(world) if r not in gone]
+    for rank in kept:
+        new_rank, size, world_size, error, basis, failed, seconds = results[rank]
+        assert (new_rank, size, world_size, error, basis) == (kept.index(rank), len(kept), len(kept), None, "shrink")
+        assert seconds < 10, seconds
+        if abort:
+            assert "aborted its process group" in failed, failed
+
+
+def _gloo_shrinks(rank, world):
+    return raises(lambda: dist.shrink_group([1]), TypeError)
+
+
+def test_gloo_has_no_shrink():
+    """What the comparison above stands on: gloo refuses shrink_group."""
+    assert "does not support shrinking" in run_ranks(_gloo_shrinks, 2, backend="gloo")[0]
 
 
 def _timeout_set_later(rank, world, backend):

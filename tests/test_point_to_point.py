@@ -67,25 +67,42 @@ def test_many_messages_in_flight_tags_in_any_order(world):
 
 
 def _batch(rank, world):
-    """A pipeline step: batch_isend_irecv to both neighbours, twice, same-pair order kept."""
-    errors = []
+    """A pipeline step: batch_isend_irecv to both neighbours, twice, same-pair order kept; then a
+    batch whose receive misfits its message. The batch's Works, their count and the misfit's error."""
+    errors, counts = [], []
     for step in range(2):
         right, left = (rank + 1) % world, (rank - 1) % world
         out_r, out_l = _data(rank, right, step, BIG), _data(rank, left, step + 10, 513)
         in_l, in_r = torch.empty(BIG), torch.empty(513)
         ops = [dist.P2POp(dist.irecv, in_l, left), dist.P2POp(dist.isend, out_r, right),
                dist.P2POp(dist.irecv, in_r, right), dist.P2POp(dist.isend, out_l, left)]
-        for w in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        counts.append(len(works))
+        for w in works:
             w.wait()
         errors.append(_wrong("from left", in_l, _data(left, rank, step, BIG)))
         errors.append(_wrong("from right", in_r, _data(right, rank, step + 10, 513)))
-    return [e for e in errors if e]
+    peer = rank ^ 1
+    misfit = None
+    if peer < world:  # pairs (0, 1), (2, 3): rank 0 and 2 expect 20 elements, their peers send 10
+        ops = [dist.P2POp(dist.irecv, torch.empty(20 if rank % 2 == 0 else 10), peer),
+               dist.P2POp(dist.isend, _data(rank, peer, 0, 10), peer)]
+        misfit = raises(lambda: [w.wait() for w in dist.batch_isend_irecv(ops)], RuntimeError)
+    return [e for e in errors if e], counts, misfit
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_batch_isend_irecv_pipeline_step(world):
-    for errors in run_ranks(_batch, world):
-        assert errors == []
+    """As with gloo, but as one Work per batch (hca supports coalescing, as NCCL does; gloo
+    returns a Work per operation)."""
+    results = run_ranks(_batch, world)
+    gloo = run_ranks(_batch, world, backend="gloo")
+    for rank, ((errors, counts, misfit), (_, gloo_counts, _)) in enumerate(zip(results, gloo)):
+        assert errors == [] and counts == [1, 1] and gloo_counts == [4, 4], (errors, counts, gloo_counts)
+        if rank % 2 == 0 and rank + 1 < world:
+            assert f"rank {rank + 1} sent 10 x float32 with tag 0, but this recv expects 20 x float32" in misfit, misfit
+        elif rank % 2 == 1:
+            assert misfit == "UNEXPECTED: no exception", misfit
 
 
 def _any_source(rank, world):

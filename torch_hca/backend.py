@@ -16,6 +16,13 @@ def create_backend(dist_backend_opts, backend_options):
     """torch's creator hook (extended API): one backend per process group. `nccl` is a wrapper
     around stock engines (which span nodes themselves); the other algorithms run hca's own
     executors inside each node and, when the ranks span nodes, engines between them."""
+    backend = _create(dist_backend_opts, backend_options)
+    # Where the group's ranks are in the world, for the metadata profiler traces carry.
+    backend._global_ranks = list(dist_backend_opts.global_ranks_in_group)
+    return backend
+
+
+def _create(dist_backend_opts, backend_options):
     options = Options.from_env() if backend_options is None else backend_options
     if not isinstance(options, Options):
         raise TypeError(f"hca: pg_options must be torch_hca.Options, got {type(options).__name__}")

@@ -163,7 +163,9 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
-      .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"));
+      .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
+      .def_property("_global_ranks", [](ProcessGroupHCA& pg) { return pg.calls().global_ranks(); },
+                    [](ProcessGroupHCA& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 
   py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
       .def(py::init([](int rank, int size, int64_t timeout_ms, const PackingOptions& packing,
@@ -174,7 +176,9 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; });
+      .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; })
+      .def_property("_global_ranks", [](PassthroughBackend& pg) { return pg.calls().global_ranks(); },
+                    [](PassthroughBackend& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 
   using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
   py::class_<NodeBackend, c10d::Backend, c10::intrusive_ptr<NodeBackend>>(m, "NodeBackend")
@@ -194,7 +198,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("world_cuda") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const NodeBackend& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property_readonly("nodes", [](const NodeBackend& pg) { return pg.nodes().members; })
-      .def_property_readonly("local", &NodeBackend::local);
+      .def_property_readonly("local", &NodeBackend::local)
+      .def_property("_global_ranks", [](NodeBackend& pg) { return pg.calls().global_ranks(); },
+                    [](NodeBackend& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 
   m.def(
       "nodes",

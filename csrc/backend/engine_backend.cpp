@@ -41,6 +41,13 @@ void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout) {
 
 void EngineBackend::setTimeout(std::chrono::milliseconds timeout) { set_engines_timeout(engines_, timeout); }
 
+void EngineBackend::setSequenceNumberForGroup() {
+  calls_.reset();
+  for (auto* engine : {engines_.cpu.get(), engines_.cuda.get()}) {
+    if (engine) engine->setSequenceNumberForGroup();
+  }
+}
+
 c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
   owner_.check(op);
   const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;
@@ -58,50 +65,59 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
-  return engine(inputs[0], "gather").gather(outputs, inputs, opts);
+  return calls_(*this, {"gather", inputs, flattened(outputs)},
+                [&] { return engine(inputs[0], "gather").gather(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
-  return engine(outputs[0], "scatter").scatter(outputs, inputs, opts);
+  return calls_(*this, {"scatter", flattened(inputs), outputs},
+                [&] { return engine(outputs[0], "scatter").scatter(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                             std::vector<int64_t>& output_splits,
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
-  return engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
+  return calls_(*this, {"all_to_all", {input}, {output}, input_splits, output_splits}, [&] {
+    return engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "alltoall");
-  return engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts);
+  return calls_(*this, {"all_to_all", inputs, outputs},
+                [&] { return engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
-  return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts);
+  return calls_(*this, {"allgather_coalesced", inputs, flattened(outputs)},
+                [&] { return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "send");
-  return engine(tensors[0], "send").send(tensors, dst, tag);
+  return calls_(*this, CommsCall::message("send", tensors, dst),
+                [&] { return engine(tensors[0], "send").send(tensors, dst, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
-  return engine(tensors[0], "recv").recv(tensors, src, tag);
+  return calls_(*this, CommsCall::message("recv", tensors, src),
+                [&] { return engine(tensors[0], "recv").recv(tensors, src, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
-  return engine(tensors[0], "recv").recvAnysource(tensors, tag);
+  return calls_(*this, CommsCall::message("recv", tensors, -1),
+                [&] { return engine(tensors[0], "recv").recvAnysource(tensors, tag); });
 }
 
 }  // namespace hca

@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "call_record.hpp"
 #include "owning_process.hpp"
 
 namespace hca {
@@ -30,6 +31,12 @@ class EngineBackend : public c10d::Backend {
   void shutdown() override;
   void abort() override;
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // The calls made through this backend since the last reset (forwarded to the
+  // engines too, which number what they are handed: packs, stages).
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override { return calls_.issued(); }
+  // Where this group's ranks are in the world (for profiler traces).
+  CallRecorder& calls() { return calls_; }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
@@ -48,6 +55,7 @@ class EngineBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  protected:
+  CallRecorder calls_;  // every public call goes through it
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
   c10d::Backend& cpu_engine(const char* op) const {

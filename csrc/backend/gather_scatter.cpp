@@ -58,8 +58,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<a
                           std::move(spans), ReduceOp::Sum, "gather",
                           args.text(input, 1) + ", dst=" + std::to_string(opts.rootRank)));
   std::vector<at::Tensor> results = root ? outputs[0] : std::vector<at::Tensor>{};
-  return launch(c10d::OpType::GATHER, std::move(args), std::move(cs), std::move(results),
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return calls_(*this, {"gather", inputs, results}, [&] {
+    return launch(c10d::OpType::GATHER, std::move(args), std::move(cs), std::move(results),
+                  timeout_or_default(opts.timeout), opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>& outputs,
@@ -88,16 +90,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>&
   cs.push_back(collective(plan_scatter(args.descs()[0], getSize(), static_cast<int>(opts.rootRank)),
                           std::move(spans), ReduceOp::Sum, "scatter",
                           args.text(0, 1) + ", src=" + std::to_string(opts.rootRank)));
-  return launch(c10d::OpType::SCATTER, std::move(args), std::move(cs), outputs, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"scatter", flattened(inputs), outputs}, [&] {
+    return launch(c10d::OpType::SCATTER, std::move(args), std::move(cs), outputs, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 std::vector<int64_t> ProcessGroupHCA::exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout) {
   at::Tensor in = at::tensor(c10::ArrayRef<int64_t>(mine), at::kLong);
   at::Tensor out = at::empty({getSize() * static_cast<int64_t>(mine.size())}, at::kLong);
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout;
-  _allgather_base(out, in, opts)->wait();
+  gather_step(out, in, timeout);
   return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
 }
 
@@ -156,8 +158,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output
     out_at += expects.back();
   }
   const bool equal = input_splits.empty() && output_splits.empty() && input.numel() == output.numel();
-  return launch_alltoall(c10d::OpType::ALLTOALL_BASE, std::move(args), sends, expects, equal, sources, targets,
-                         {output}, opts);
+  return calls_(*this, {"all_to_all", {input}, {output}, input_splits, output_splits}, [&] {
+    return launch_alltoall(c10d::OpType::ALLTOALL_BASE, std::move(args), sends, expects, equal, sources, targets,
+                           {output}, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>& outputs,
@@ -181,8 +185,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
     sources.push_back(args.dense()[world + j].data_ptr());
     targets.push_back(args.dense()[j].data_ptr());
   }
-  return launch_alltoall(c10d::OpType::ALLTOALL, std::move(args), sends, expects, false, sources, targets, outputs,
-                         opts);
+  return calls_(*this, {"all_to_all", inputs, outputs, sends, expects}, [&] {
+    return launch_alltoall(c10d::OpType::ALLTOALL, std::move(args), sends, expects, false, sources, targets, outputs,
+                           opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -213,8 +219,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
     cs.push_back(collective(plan_allgather(args.descs()[input], world), std::move(spans), ReduceOp::Sum,
                             "allgather_coalesced", args.text(input, 1)));
   }
-  return launch(c10d::OpType::ALLGATHER_COALESCED, std::move(args), std::move(cs), std::move(results),
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return calls_(*this, {"allgather_coalesced", inputs, results}, [&] {
+    return launch(c10d::OpType::ALLGATHER_COALESCED, std::move(args), std::move(cs), std::move(results),
+                  timeout_or_default(opts.timeout), opts.asyncOp);
+  });
 }
 
 }  // namespace hca

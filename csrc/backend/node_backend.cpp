@@ -183,7 +183,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return engine(tensors[0], "allreduce").allreduce(tensors, opts);
+    return calls_(*this, {"allreduce", tensors, tensors},
+                  [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);
@@ -193,7 +194,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
     allreduce_stages(args.dense(), packs, op, timeout);
     args.write_back();
   };
-  return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp);
+  return calls_(*this, {"allreduce", tensors, tensors},
+                [&] { return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -224,7 +226,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
     local_->broadcast(dense, inside)->wait();
     args.write_back();
   };
-  return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp);
+  return calls_(*this, {"broadcast", tensors, tensors},
+                [&] { return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -260,7 +263,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       args.write_back();
     }
   };
-  return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp);
+  return calls_(*this, {"reduce", tensors, tensors},
+                [&] { return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp); });
 }
 
 void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
@@ -339,7 +343,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at
     for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
     args.write_back();
   };
-  return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp);
+  return calls_(*this, {"all_gather", inputs, list},
+                [&] { return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -361,7 +366,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp);
+  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs},
+                [&] { return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -392,7 +398,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, args, outputs, std::move(body), opts.asyncOp);
+  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, [&] {
+    return launch(c10d::OpType::_REDUCE_SCATTER_BASE, args, outputs, std::move(body), opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -408,7 +416,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
     }
     local_->barrier(inside)->wait();
   };
-  return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp);
+  return calls_(*this, {"barrier", {}, {}},
+                [&] { return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::endCoalescing() {

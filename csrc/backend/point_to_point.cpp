@@ -32,15 +32,18 @@ std::exception_ptr as_torch_error(const std::exception_ptr& error, const char* o
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return post_message(c10d::OpType::SEND, tensors, dst, tag);
+  return calls_(*this, CommsCall::message("send", tensors, dst),
+                [&] { return post_message(c10d::OpType::SEND, tensors, dst, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return post_message(c10d::OpType::RECV, tensors, src, tag);
+  return calls_(*this, CommsCall::message("recv", tensors, src),
+                [&] { return post_message(c10d::OpType::RECV, tensors, src, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return post_message(c10d::OpType::RECVANYSOURCE, tensors, -1, tag);
+  return calls_(*this, CommsCall::message("recv", tensors, -1),
+                [&] { return post_message(c10d::OpType::RECVANYSOURCE, tensors, -1, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, std::vector<at::Tensor>& tensors,
@@ -61,7 +64,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   } catch (const Failure& e) {
     C10_THROW_ERROR(DistBackendError, e.what());
   }
-  ++sequence_;
   auto work = c10::make_intrusive<PointToPointWork>(getRank(), type, tensors);
   const at::Tensor& dense = args->dense()[0];
   const bool receives = type != c10d::OpType::SEND;
@@ -82,6 +84,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   } else {
     mailbox_->send(std::move(message));
   }
+  std::lock_guard<std::mutex> lock(coalescing_mutex_);
+  if (coalescing_) coalesced_messages_.push_back(work);
   return work;
 }
 

@@ -1,6 +1,7 @@
 #include "process_group_hca.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <functional>
@@ -111,25 +112,59 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_pt
   }
   std::vector<int> sorted(ranks);
   std::sort(sorted.begin(), sorted.end());
-  const auto at = std::lower_bound(sorted.begin(), sorted.end(), getRank());
-  if (at == sorted.end() || *at != getRank()) return nullptr;
+  if (!std::binary_search(sorted.begin(), sorted.end(), getRank())) return nullptr;
   for (int r : sorted) check_rank(r, getSize(), "ranks", "split");
-  PlanOptions child = options_;
-  child.groups = restrict_groups(options_.groups, sorted);
-  // The same reducing rank where the child has it, else the child's default.
-  const auto reducer = std::find(sorted.begin(), sorted.end(), options_.reduce_to_device);
-  child.reduce_to_device = reducer == sorted.end() ? -1 : static_cast<int>(reducer - sorted.begin());
-  auto group = c10::make_intrusive<ProcessGroupHCA>(
-      store, static_cast<int>(at - sorted.begin()), static_cast<int>(sorted.size()),
-      opts ? opts->timeout : timeout_.load(), std::move(child), shm_slot_bytes_, shm_slots_, cuda_config_,
-      cpu_executor_kind_, restrict_groups(cuda_options_.groups, sorted));
-  std::string parent_ranks;
-  for (int r : sorted) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
-  const std::string how = R"({"groups": [], "basis": "split", "reason": "the parent group's, kept for its ranks )" +
-                          parent_ranks + R"("})";
-  group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
+  auto group = child(store, sorted, opts ? opts->timeout : timeout_.load(), "split");
+  if (opts && !opts->global_ranks_in_group.empty()) {
+    group->calls_.set_global_ranks({opts->global_ranks_in_group.begin(), opts->global_ranks_in_group.end()});
+  }
   last_split_name_ = opts ? opts->group_name : "";
   last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(group);
+  return group;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::shrink(const std::vector<int64_t>& ranks_to_exclude,
+                                                          int shrink_flags, const c10::intrusive_ptr<Options>& opts) {
+  check_open("shrink");
+  std::vector<int> kept;
+  for (int r = 0; r < getSize(); ++r) {
+    if (std::find(ranks_to_exclude.begin(), ranks_to_exclude.end(), r) == ranks_to_exclude.end()) kept.push_back(r);
+  }
+  TORCH_CHECK_VALUE(std::binary_search(kept.begin(), kept.end(), getRank()), "hca shrink: rank ", getRank(),
+                    " is excluded; only the ranks that stay call shrink");
+  // The excluded ranks take no part: the child meets on this group's store,
+  // under a key every staying rank counts alike.
+  auto store = c10::make_intrusive<c10d::PrefixStore>("hca_shrink/" + std::to_string(++shrinks_) + "/", store_);
+  const auto timeout = opts ? opts->timeout : timeout_.load();
+  if (shrink_flags & kShrinkAbort) abort();  // what is in flight fails now, not at its timeout
+  auto group = child(store, kept, timeout, "shrink");
+  if (!calls_.global_ranks().empty()) {
+    std::vector<int64_t> global;
+    for (int r : kept) global.push_back(calls_.global_ranks()[r]);
+    group->calls_.set_global_ranks(global);
+  } else {
+    group->calls_.set_global_ranks({kept.begin(), kept.end()});
+  }
+  return group;
+}
+
+c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_ptr<c10d::Store>& store,
+                                                           const std::vector<int>& ranks,
+                                                           std::chrono::milliseconds timeout, const char* basis) const {
+  PlanOptions options = options_;
+  options.groups = restrict_groups(options_.groups, ranks);
+  // The same reducing rank where the child has it, else the child's default.
+  const auto reducer = std::find(ranks.begin(), ranks.end(), options_.reduce_to_device);
+  options.reduce_to_device = reducer == ranks.end() ? -1 : static_cast<int>(reducer - ranks.begin());
+  const int rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), getRank()) - ranks.begin());
+  auto group = c10::make_intrusive<ProcessGroupHCA>(store, rank, static_cast<int>(ranks.size()), timeout,
+                                                    std::move(options), shm_slot_bytes_, shm_slots_, cuda_config_,
+                                                    cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks));
+  std::string parent_ranks;
+  for (int r : ranks) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
+  const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +
+                          R"(", "reason": "the parent group's, kept for its ranks )" + parent_ranks + R"("})";
+  group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
   return group;
 }
 
@@ -190,7 +225,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                                                        std::vector<at::Tensor> outputs,
                                                        std::chrono::milliseconds timeout, bool async_op) {
   Executor& executor = executor_for(args.device(), args.name());
-  ++sequence_;
   for (auto& c : collectives) c.timeout = timeout;
   if (call_streams(args.device())) {
     return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
@@ -214,7 +248,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return allreduce_sparse(tensors[0], opts);
+    return calls_(*this, {"allreduce", tensors, tensors}, [&] { return allreduce_sparse(tensors[0], opts); });
   }
   CallArgs args("allreduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
@@ -222,8 +256,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
   cs.push_back(cached_collective(
       "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
-  return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"allreduce", tensors, tensors}, [&] {
+    return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -241,8 +277,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
   cs.push_back(cached_collective(
       "broadcast", args, ReduceOp::Sum, src, [&] { return plan_broadcast(args.descs(), getSize(), src); },
       [&] { return args.text(0, tensors.size()) + ", src=" + std::to_string(src); }));
-  return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"broadcast", tensors, tensors}, [&] {
+    return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& tensors,
@@ -256,8 +294,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   cs.push_back(cached_collective(
       "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
-  return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"reduce", tensors, tensors}, [&] {
+    return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t output, size_t input) const {
@@ -282,8 +322,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vecto
   std::vector<Collective> cs;
   cs.push_back(collective(plan_allgather(args.descs()[input], getSize()), std::move(spans), ReduceOp::Sum,
                           "allgather", args.text(input, 1)));
-  return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"all_gather", inputs, list}, [&] {
+    return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -295,11 +337,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
+  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs},
+                [&] { return launch_allgather(outputs, inputs, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_allgather(const std::vector<at::Tensor>& outputs,
+                                                                 const std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) {
   CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
   return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
                 timeout_or_default(opts.timeout), opts.asyncOp);
+}
+
+void ProcessGroupHCA::gather_step(const at::Tensor& output, const at::Tensor& input,
+                                  std::chrono::milliseconds timeout) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout;
+  launch_allgather({output}, {input}, opts)->wait();
 }
 
 Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size_t output, size_t input,
@@ -335,16 +391,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     cs.push_back(reduce_scatter_collective(args, i, outputs.size() + i, op));
   }
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, std::move(args), std::move(cs), outputs,
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, [&] {
+    return launch(c10d::OpType::_REDUCE_SCATTER_BASE, std::move(args), std::move(cs), outputs,
+                  timeout_or_default(opts.timeout), opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptions& opts) {
   CallArgs args("barrier", {});
   std::vector<Collective> cs;
   cs.push_back(collective({}, {}, ReduceOp::Sum, "barrier", ""));
-  return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
-                opts.asyncOp);
+  return calls_(*this, {"barrier", {}, {}}, [&] {
+    return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
+                  opts.asyncOp);
+  });
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
@@ -362,8 +422,23 @@ void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   work->wait(kNoTimeout);
 }
 
+void ProcessGroupHCA::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalescing_mutex_);
+  coalescing_ = true;
+  coalesced_messages_.clear();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {
-  return launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    coalescing_ = false;
+    works.swap(coalesced_messages_);
+  }
+  auto collectives = launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
+  if (works.empty()) return collectives;
+  works.push_back(collectives);
+  return all_of(getRank(), c10d::OpType::COALESCED, works);
 }
 
 }  // namespace hca

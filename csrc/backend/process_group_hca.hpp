@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 
 #include "../plan/plan.h"
 #include "../transport/control/control_block.h"
@@ -15,6 +16,7 @@
 #include "../transport/executor.h"
 #include "../transport/shm/mailbox.h"
 #include "call_args.hpp"
+#include "call_record.hpp"
 #include "owning_process.hpp"
 #include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
@@ -45,6 +47,12 @@ class ProcessGroupHCA : public c10d::Backend {
   bool supportsSplitting() const override { return true; }
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
+  // dist.shrink_group, called by the ranks that stay (the excluded ones may be
+  // dead): a child over them, as split's, meeting on this group's store; with
+  // SHRINK_ABORT this group is aborted first. `opts` may set the child's timeout.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+                                           const c10::intrusive_ptr<Options>& opts) override;
   const PlanOptions& options() const { return options_; }
   // The hierarchy's groups that plans for CPU or CUDA tensors follow.
   const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
@@ -119,14 +127,25 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
   // Counts the collectives and messages issued since the last reset.
-  void setSequenceNumberForGroup() override { sequence_ = 0; }
-  uint64_t getSequenceNumberForGroup() override { return sequence_; }
-  // The coalescing manager batches in Python (allreduce_coalesced etc.); the
-  // end of a batch is a Work that completes after everything issued before it.
-  void startCoalescing() override {}
+  void setSequenceNumberForGroup() override { calls_.reset(); }
+  uint64_t getSequenceNumberForGroup() override { return calls_.issued(); }
+  // Where this group's ranks are in the world (for profiler traces).
+  CallRecorder& calls() { return calls_; }
+  // batch_isend_irecv (and the coalescing manager given a device): the batch's
+  // sends and receives go out as they are called; the end of the batch is one
+  // Work, complete once they and every collective issued before it are.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
+  // torch.distributed's SHRINK_ABORT.
+  static constexpr int kShrinkAbort = 1;
+  // A group over `ranks` (sorted, this rank among them) of this one, on `store`: this
+  // group's options, staging sizes and executor, its groups kept for those ranks.
+  c10::intrusive_ptr<ProcessGroupHCA> child(const c10::intrusive_ptr<c10d::Store>& store,
+                                            const std::vector<int>& ranks, std::chrono::milliseconds timeout,
+                                            const char* basis) const;
   // DistBackendError naming `op` in a forked child or after shutdown/abort.
   void check_open(const char* op) const;
   void end(bool abort);
@@ -148,6 +167,12 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> post_message(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
   // allreduce of sparse COO tensors (SUM): gathers every rank's indices and values.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
+  // allgather_into_tensor_coalesced, neither counted nor recorded: also a step of hca's own calls.
+  c10::intrusive_ptr<c10d::Work> launch_allgather(const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const c10d::AllgatherOptions& opts);
+  // Every rank's `input` into `output`, a step of a larger call; blocking.
+  void gather_step(const at::Tensor& output, const at::Tensor& input, std::chrono::milliseconds timeout);
   // Every rank's `mine` (same length everywhere), concatenated in rank order; blocking.
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout);
   // The alltoall of `args` (outputs first): this rank sends sends[j] elements
@@ -188,6 +213,10 @@ class ProcessGroupHCA : public c10d::Backend {
   // a second group there would clash with the first's rendezvous.
   std::string last_split_name_;
   c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
+  std::mutex coalescing_mutex_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_messages_;  // sends and receives of the batch
+  int shrinks_ = 0;  // the children shrink made, which name their keys on the store
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
   std::atomic<const char*> ended_{nullptr};  // "shut down" or "aborted"
@@ -198,7 +227,7 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;
   PlanCache plans_;
-  std::atomic<uint64_t> sequence_{0};
+  CallRecorder calls_;
   WorkQueue queue_;  // last: its worker stops before the executors go
 };
 

@@ -1,0 +1,36 @@
+#include "call_record.hpp"
+
+namespace hca {
+
+std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> all;
+  for (const auto& list : lists) all.insert(all.end(), list.begin(), list.end());
+  return all;
+}
+
+void CallRecorder::set_global_ranks(const std::vector<int64_t>& ranks) {
+  global_ranks_ = ranks;
+  rank_start_ = ranks.empty() ? 0 : static_cast<int>(ranks[0]);
+  rank_stride_ = ranks.size() > 1 ? static_cast<int>(ranks[1] - ranks[0]) : 1;
+  for (size_t i = 1; i < ranks.size(); ++i) {
+    if (ranks[i] - ranks[i - 1] != rank_stride_) rank_stride_ = -1;
+  }
+  if (rank_stride_ <= 0) rank_stride_ = -1;
+}
+
+int64_t CallRecorder::numel(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.defined() ? t.numel() : 0;
+  return total;
+}
+
+at::ScalarType CallRecorder::dtype(const CommsCall& call) {
+  for (const auto* list : {&call.inputs, &call.outputs}) {
+    for (const auto& t : *list) {
+      if (t.defined()) return t.scalar_type();
+    }
+  }
+  return at::kByte;  // a call without tensors (barrier), as ProcessGroupNCCL records it
+}
+
+}  // namespace hca

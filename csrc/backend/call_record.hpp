@@ -1,0 +1,74 @@
+// Each communication call of a backend counted (its sequence number) and, when
+// a profiler listens, recorded with the metadata torch's trace tools read
+// (ParamCommsUtils.hpp: the call's name, message sizes, dtype, group and its
+// ranks in the world), as ProcessGroupNCCL records its own.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
+
+#include <atomic>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace hca {
+
+// A call as trace tools see it: ProcessGroupNCCL's name for it ("allreduce",
+// "all_gather", "send", ...), what it reads and what it writes.
+struct CommsCall {
+  const char* name;
+  const std::vector<at::Tensor>& inputs;
+  const std::vector<at::Tensor>& outputs;
+  std::vector<int64_t> input_splits = {};
+  std::vector<int64_t> output_splits = {};
+  std::optional<int> peer = std::nullopt;  // a message's: its peer (-1: any source)
+
+  // A send or receive of `tensors` (ProcessGroupNCCL records the peer in the rank's place).
+  static CommsCall message(const char* name, const std::vector<at::Tensor>& tensors, int peer) {
+    return {name, tensors, tensors, {}, {}, peer};
+  }
+};
+
+// Every tensor of a list of lists, in order (allgather's outputs, scatter's inputs).
+std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& lists);
+
+class CallRecorder {
+ public:
+  // The group's ranks in the world, in group order (empty: the world itself).
+  void set_global_ranks(const std::vector<int64_t>& ranks);
+  const std::vector<int64_t>& global_ranks() const { return global_ranks_; }
+  // setSequenceNumberForGroup / getSequenceNumberForGroup: the calls issued since.
+  void reset() { issued_ = 0; }
+  uint64_t issued() const { return issued_; }
+
+  // Issues the call (`issue` returns its Work), counted once it is issued.
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, Issue&& issue) {
+    if (!at::hasCallbacks()) return counted(issue());
+    const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
+    const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());
+    const int rank = call.peer.value_or(backend.getRank());
+    RECORD_PARAM_COMMS_DATA(seq, name, call.inputs, call.outputs, rank, call.name, numel(call.inputs),
+                            numel(call.outputs), dtype(call), call.input_splits, call.output_splits, rank_start_,
+                            rank_stride_, backend.getSize());
+    return counted(issue());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> counted(c10::intrusive_ptr<c10d::Work> work) {
+    ++issued_;
+    return work;
+  }
+  static int64_t numel(const std::vector<at::Tensor>& tensors);
+  static at::ScalarType dtype(const CommsCall& call);
+
+  std::atomic<uint64_t> issued_{0};
+  std::vector<int64_t> global_ranks_;
+  // As ParamCommsDebugInfo takes the ranks: the first and the stride between
+  // them (-1: not evenly spaced, the ranks are then not listed).
+  int rank_start_ = 0;
+  int rank_stride_ = 1;
+};
+
+}  // namespace hca
