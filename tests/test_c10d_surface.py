@@ -3,6 +3,7 @@ allreduce, groups created again on one store, profiler traces, and the newer fro
 collectives that torch.compile emits), each against an independent reference."""
 import json
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -346,6 +347,29 @@ def test_shrink_group_leaves_out_ranks_that_are_gone(world, gone, abort):
         assert seconds < 10, seconds
         if abort:
             assert "aborted its process group" in failed, failed
+
+
+def _errors(rank, world, trouble):
+    """Backend.get_error after a good call, then after rank 1 stays silent past the timeout,
+    dies, or rank 0 aborts the group."""
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    dist.all_reduce(torch.ones(3))
+    good = pg.get_error().name
+    if rank == 1:
+        if trouble == "dies":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(3)
+        return good, None
+    if trouble == "abort":
+        pg.abort()
+    raises(lambda: dist.all_reduce(torch.ones(3)), RuntimeError)
+    return good, pg.get_error().name
+
+
+@pytest.mark.parametrize("trouble, kind", [("silent", "TIMEOUT"), ("dies", "REMOTE_ERROR"), ("abort", "COMM_ERROR")])
+def test_get_error_names_the_kind_of_failure(trouble, kind):
+    results = run_ranks(_errors, 2, trouble, pg_timeout_s=1, allow_missing=(1,))
+    assert results[0] == ("SUCCESS", kind), results
 
 
 def _gloo_shrinks(rank, world):

@@ -164,6 +164,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
+      // Backend.get_error from torch 2.14 on; here for older torch too.
+      .def("get_error", &ProcessGroupHCA::getError)
       .def_property("_global_ranks", [](ProcessGroupHCA& pg) { return pg.calls().global_ranks(); },
                     [](ProcessGroupHCA& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 

@@ -95,8 +95,22 @@ void ProcessGroupHCA::end(bool abort) {
   cuda_call_streams_.reset();
   cpu_call_streams_.reset();
   control_->mark_left();  // what peers still waiting on this rank are told
+  failure_at_end_ = control_->failure_word(getRank()).load();
+  ended_ = abort ? "aborted" : "shut down";  // before the block goes: getError reads one or the other
   control_.reset();
-  ended_ = abort ? "aborted" : "shut down";
+}
+
+c10d::ErrorType ProcessGroupHCA::getError() {
+  const auto kind =
+      static_cast<FailureKind>(ended_ ? failure_at_end_.load() : control_->failure_word(getRank()).load());
+  switch (kind) {
+    case FailureKind::None: return c10d::ErrorType::SUCCESS;
+    case FailureKind::Timeout: return c10d::ErrorType::TIMEOUT;
+    case FailureKind::PeerDied:
+    case FailureKind::PeerFailed:
+    case FailureKind::BetweenNodes: return c10d::ErrorType::REMOTE_ERROR;
+    default: return c10d::ErrorType::COMM_ERROR;
+  }
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupHCA::getBackendOptions() {

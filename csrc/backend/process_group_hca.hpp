@@ -79,6 +79,10 @@ class ProcessGroupHCA : public c10d::Backend {
   // once, and peers learn that this rank aborted. Later calls raise.
   void shutdown() override { end(false); }
   void abort() override { end(true); }
+  // The kind of this rank's first failure in the group, as torch names it: TIMEOUT,
+  // REMOTE_ERROR (a peer died, failed or left), COMM_ERROR (anything else, an abort
+  // included); SUCCESS while there is none.
+  c10d::ErrorType getError() override;
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -220,6 +224,7 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
   std::atomic<const char*> ended_{nullptr};  // "shut down" or "aborted"
+  std::atomic<uint32_t> failure_at_end_{0};  // this rank's FailureKind when the group ended
   // Before the executors: their streams outlive what the executors issued.
   std::unique_ptr<CallStreams> cpu_call_streams_;  // with the model of the device only
   std::unique_ptr<CallStreams> cuda_call_streams_;
