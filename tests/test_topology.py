@@ -139,6 +139,32 @@ def test_a_link_one_side_reports_is_not_a_link():
     assert topology.gpu_hierarchy(_gpu_places(linked, [0, 1])).groups == [[0], [1]]
 
 
+def _ranked(kind_of_pair, count):
+    """A table of CUDA performance ranks: kind_of_pair(a, b) -> "nvlink" (0), "pcie" (1) or None."""
+    return {(a, b): {"nvlink": 0, "pcie": 1, None: None}[kind_of_pair(a, b)]
+            for a in range(count) for b in range(count) if a != b}
+
+
+PEER_RANK_CASES = [
+    # DGX-1: NVLink inside quads and to i + 4, PCIe peer access otherwise
+    ("DGX-1", _ranked(lambda a, b: "nvlink" if a // 4 == b // 4 or abs(a - b) == 4 else "pcie", 8),
+     {0: {1, 2, 3, 4}, 5: {1, 4, 6, 7}}),
+    # PCIe only: every link is the fastest there is
+    ("PCIe only", _ranked(lambda a, b: "pcie", 4), {0: {1, 2, 3}}),
+    # two switches, no peer access across them
+    ("two switches", _ranked(lambda a, b: "pcie" if a // 2 == b // 2 else None, 4), {0: {1}, 3: {2}}),
+    ("no peer access", _ranked(lambda a, b: None, 3), {0: set(), 2: set()}),
+    # a link only one side ranks fast is not taken
+    ("one-sided", {(0, 1): 0, (1, 0): 1, (0, 2): 1, (2, 0): 1, (1, 2): 1, (2, 1): 1}, {0: set(), 1: set()}),
+]
+
+
+@pytest.mark.parametrize("name,ranks,want", PEER_RANK_CASES, ids=[c[0] for c in PEER_RANK_CASES])
+def test_without_nvml_the_fastest_ranked_cuda_links_count(name, ranks, want):
+    for device, peers in want.items():
+        assert topology.fastest_peers(device, ranks) == peers, device
+
+
 def test_places_travel_as_json():
     place = Place((0, 1), (2,), GpuLinks("abc", frozenset({"abc", "def"})))
     assert Place.from_json(place.to_json()) == place

@@ -153,9 +153,24 @@ def _gpu_links() -> Optional[GpuLinks]:
 
     try:
         reaches = _nvml_reaches(uuid_of(device))
-    except ImportError:  # no NVML binding: CUDA's peer access, among the GPUs this process sees
-        reaches = {uuid_of(d) for d in range(torch.cuda.device_count()) if torch.cuda.can_device_access_peer(device, d)}
+    except ImportError:  # no NVML binding: CUDA's ranking of the links among the GPUs this process sees
+        if not _C.has_cuda:
+            return None
+        count = torch.cuda.device_count()
+        ranks = {(a, b): _C.peer_performance_rank(a, b) for a in range(count) for b in range(count) if a != b}
+        reaches = {uuid_of(d) for d in fastest_peers(device, ranks)}
     return GpuLinks(uuid_of(device), frozenset(reaches | {uuid_of(device)}))
+
+
+def fastest_peers(device: int, ranks: Dict[tuple, Optional[int]]) -> set:
+    """The devices `device` reaches over the fastest kind of link there is among them: `ranks`
+    holds CUDA's performance rank of each ordered pair of devices (lower is faster; None: no peer
+    access). Every rank judges against the same best rank, so the links it finds agree."""
+    known = [r for r in ranks.values() if r is not None]
+    if not known:
+        return set()
+    best = min(known)
+    return {b for (a, b), r in ranks.items() if a == device and r == best and ranks.get((b, a)) == best}
 
 
 def _nvml_reaches(uuid: str) -> set:

@@ -9,6 +9,9 @@
 #include "node_backend.hpp"
 #include "passthrough_backend.hpp"
 #include "process_group_hca.hpp"
+#ifdef HCA_WITH_CUDA
+#include "../transport/cuda/peer_links.h"
+#endif
 
 namespace py = pybind11;
 
@@ -275,6 +278,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("linked"));
 #ifdef HCA_WITH_CUDA
   m.attr("has_cuda") = true;
+  m.def("peer_performance_rank", &cuda::peer_performance_rank, py::arg("src"), py::arg("dst"));
 #else
   m.attr("has_cuda") = false;
 #endif
