@@ -331,7 +331,7 @@ def test_only_our_own_segments_are_attached(case):
             os.fchown(fd, owner, -1)
         store = dist.HashStore()
         store.set("seg", f"{socket.gethostname()}\n/{name}\ntest layout")
-        attach = lambda: torch_hca._C._attach_shared_segment(store, "seg", 1, 2, 4096, "test layout", 1000)  # noqa: E731
+        attach = lambda: torch_hca._C._join_shared_segment(store, "seg", 1, 2, 4096, "test layout", 1000)  # noqa: E731
         if refused is None:
             attach()
         else:

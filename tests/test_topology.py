@@ -3,6 +3,8 @@ masks, GPU link tables), and every collective checked under each detected hierar
 from __future__ import annotations
 
 import functools
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -163,6 +165,32 @@ PEER_RANK_CASES = [
 def test_without_nvml_the_fastest_ranked_cuda_links_count(name, ranks, want):
     for device, peers in want.items():
         assert topology.fastest_peers(device, ranks) == peers, device
+
+
+@pytest.mark.parametrize("shared_out", [True, False])
+def test_each_rank_reserves_its_own_share_of_staging_memory(shared_out):
+    """Staging memory on the right node: with a share per rank (as the staging slots have), rank 0
+    reserves only its own share and each rank then its own, so the kernel takes each rank's pages
+    from the NUMA node that rank runs on; without shares rank 0 reserves everything. Seen as the
+    segment's allocated bytes as the ranks join one by one (3 ranks)."""
+    share = 1 << 20
+    store = dist.HashStore()
+    join = functools.partial(torch_hca._C._join_shared_segment, store, "seg", world=3, bytes=3 * share,
+                             layout="test", timeout_ms=20_000, share_bytes=share if shared_out else 0)
+    creator = threading.Thread(target=join, kwargs={"rank": 0})
+    creator.start()
+    store.wait(["seg"])
+    name = store.get("seg").decode().split("\n")[1]
+    fd = os.open(f"/dev/shm{name}", os.O_RDONLY)  # kept open: rank 0 unlinks the name once all joined
+    try:
+        allocated = [os.fstat(fd).st_blocks * 512]
+        for rank in (1, 2):
+            join(rank=rank)
+            allocated.append(os.fstat(fd).st_blocks * 512)
+    finally:
+        os.close(fd)
+        creator.join()
+    assert allocated == ([share, 2 * share, 3 * share] if shared_out else [3 * share] * 3)
 
 
 def test_places_travel_as_json():

@@ -227,17 +227,18 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
-  // Tests: attaches as `rank` to the segment the store names under `key` (what a peer rank does).
+  // Tests: joins the segment the store names under `key` as `rank` (rank 0 creates it and
+  // waits for the others to attach, the others attach), then leaves it.
   m.def(
-      "_attach_shared_segment",
+      "_join_shared_segment",
       [](const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int rank, int world, size_t bytes,
-         const std::string& layout, int64_t timeout_ms) {
+         const std::string& layout, int64_t timeout_ms, size_t share_bytes) {
         StoreRendezvous rendezvous(store);
         SharedSegment(rendezvous, key, rank, world, bytes, layout, std::chrono::milliseconds(timeout_ms),
-                      [](char*) {}, "");
+                      [](char*) {}, "", share_bytes);
       },
       py::arg("store"), py::arg("key"), py::arg("rank"), py::arg("world"), py::arg("bytes"), py::arg("layout"),
-      py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>());
+      py::arg("timeout_ms"), py::arg("share_bytes") = 0, py::call_guard<py::gil_scoped_release>());
   m.def(
       "publish_setup_failure",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, const std::string& cause) {
