@@ -284,27 +284,29 @@ def _comms_metadata(rank, world, trace_path):
     with open(f"{trace_path}.{rank}.json") as f:
         events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "record_param_comms"]
     keys = ("Collective name", "dtype", "In msg nelems", "Out msg nelems", "In split size", "Out split size",
-            "Group size", "Process Group Ranks", "Rank", "Seq")
+            "Group size", "Process Group Ranks", "Rank", "Seq", "Is asynchronized op")
     return [{k: e.get(k) for k in keys} for e in events], dist.get_rank(pair) if rank != 1 else None
 
 
 def test_profiler_traces_carry_the_calls_metadata(tmp_path):
     """As ProcessGroupNCCL records it (ParamCommsUtils.hpp): name, sizes, dtype, the group's size
-    and ranks in the world, the rank (for a message: its peer), and a sequence number per group."""
+    and ranks in the world, the rank (for a message: its peer, and always async, as NCCL's), a
+    sequence number per group, and whether the caller waits in the call."""
     world = 3
     for rank, (events, pair_rank) in enumerate(run_ranks(_comms_metadata, world, str(tmp_path / "trace"))):
-        def call(name, dtype, n_in, n_out, splits=("[]", "[]"), size=world, ranks="[0, 1, 2]", who=rank, seq=None):
+        def call(name, dtype, n_in, n_out, splits=("[]", "[]"), size=world, ranks="[0, 1, 2]", who=rank, seq=None,
+                 async_op=False):
             return {"Collective name": name, "dtype": dtype, "In msg nelems": n_in, "Out msg nelems": n_out,
                     "In split size": splits[0], "Out split size": splits[1], "Group size": size,
-                    "Process Group Ranks": ranks, "Rank": who, "Seq": seq}
+                    "Process Group Ranks": ranks, "Rank": who, "Seq": seq, "Is asynchronized op": int(async_op)}
         want = [call("allreduce", "BFloat16", 500, 500)]
         if rank != 1:
-            want.append(call("broadcast", "Float", 7, 7, size=2, ranks="[0, 2]", who=pair_rank, seq=1))
+            want.append(call("broadcast", "Float", 7, 7, size=2, ranks="[0, 2]", who=pair_rank, seq=1, async_op=True))
         want += [call("allgather_into_tensor_coalesced", "Float", 10, 10 * world),
                  call("reduce_scatter_tensor_coalesced", "Long", 3 * world, 3),
                  call("all_to_all", "Float", 6, world * (rank + 1), ("[1, 2, 3]", str([rank + 1] * world)))]
         if rank < 2:
-            want.append(call("send" if rank == 0 else "recv", "Float", 9, 9, who=0 if rank == 1 else 1))
+            want.append(call("send" if rank == 0 else "recv", "Float", 9, 9, who=0 if rank == 1 else 1, async_op=True))
         want.append(call("barrier", "Byte", 0, 0))
         seqs = iter(range(1, 10))
         for w in want:

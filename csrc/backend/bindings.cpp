@@ -183,7 +183,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; })
       .def_property("_global_ranks", [](PassthroughBackend& pg) { return pg.calls().global_ranks(); },
-                    [](PassthroughBackend& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
+                    [](PassthroughBackend& pg, const std::vector<int64_t>& ranks) {
+                      pg.calls().set_global_ranks(ranks);
+                    });
 
   using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
   py::class_<NodeBackend, c10d::Backend, c10::intrusive_ptr<NodeBackend>>(m, "NodeBackend")

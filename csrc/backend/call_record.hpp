@@ -12,6 +12,14 @@
 #include <tuple>
 #include <vector>
 
+// Whether the caller waits in the call (`async_op`) is recorded where torch can
+// record it (2.13 on); older torch records every call as async.
+#ifdef RECORD_PARAM_COMMS_DATA_WITH_ASYNC_OP
+#define HCA_RECORD_PARAM_COMMS(async_op, ...) RECORD_PARAM_COMMS_DATA_WITH_ASYNC_OP(__VA_ARGS__, async_op)
+#else
+#define HCA_RECORD_PARAM_COMMS(async_op, ...) RECORD_PARAM_COMMS_DATA(__VA_ARGS__)
+#endif
+
 namespace hca {
 
 // A call as trace tools see it: ProcessGroupNCCL's name for it ("allreduce",
@@ -42,16 +50,18 @@ class CallRecorder {
   void reset() { issued_ = 0; }
   uint64_t issued() const { return issued_; }
 
-  // Issues the call (`issue` returns its Work), counted once it is issued.
+  // Issues the call (`issue` returns its Work), counted once it is issued;
+  // `async_op`: the caller's, false where it waits in the call.
   template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, Issue&& issue) {
+  c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, bool async_op,
+                                            Issue&& issue) {
     if (!at::hasCallbacks()) return counted(issue());
     const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
     const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());
     const int rank = call.peer.value_or(backend.getRank());
-    RECORD_PARAM_COMMS_DATA(seq, name, call.inputs, call.outputs, rank, call.name, numel(call.inputs),
-                            numel(call.outputs), dtype(call), call.input_splits, call.output_splits, rank_start_,
-                            rank_stride_, backend.getSize());
+    HCA_RECORD_PARAM_COMMS(async_op, seq, name, call.inputs, call.outputs, rank, call.name, numel(call.inputs),
+                           numel(call.outputs), dtype(call), call.input_splits, call.output_splits, rank_start_,
+                           rank_stride_, backend.getSize());
     return counted(issue());
   }
 

@@ -58,7 +58,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<a
                           std::move(spans), ReduceOp::Sum, "gather",
                           args.text(input, 1) + ", dst=" + std::to_string(opts.rootRank)));
   std::vector<at::Tensor> results = root ? outputs[0] : std::vector<at::Tensor>{};
-  return calls_(*this, {"gather", inputs, results}, [&] {
+  return calls_(*this, {"gather", inputs, results}, opts.asyncOp, [&] {
     return launch(c10d::OpType::GATHER, std::move(args), std::move(cs), std::move(results),
                   timeout_or_default(opts.timeout), opts.asyncOp);
   });
@@ -90,7 +90,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>&
   cs.push_back(collective(plan_scatter(args.descs()[0], getSize(), static_cast<int>(opts.rootRank)),
                           std::move(spans), ReduceOp::Sum, "scatter",
                           args.text(0, 1) + ", src=" + std::to_string(opts.rootRank)));
-  return calls_(*this, {"scatter", flattened(inputs), outputs}, [&] {
+  return calls_(*this, {"scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
     return launch(c10d::OpType::SCATTER, std::move(args), std::move(cs), outputs, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
@@ -158,7 +158,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output
     out_at += expects.back();
   }
   const bool equal = input_splits.empty() && output_splits.empty() && input.numel() == output.numel();
-  return calls_(*this, {"all_to_all", {input}, {output}, input_splits, output_splits}, [&] {
+  return calls_(*this, {"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
     return launch_alltoall(c10d::OpType::ALLTOALL_BASE, std::move(args), sends, expects, equal, sources, targets,
                            {output}, opts);
   });
@@ -185,7 +185,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
     sources.push_back(args.dense()[world + j].data_ptr());
     targets.push_back(args.dense()[j].data_ptr());
   }
-  return calls_(*this, {"all_to_all", inputs, outputs, sends, expects}, [&] {
+  return calls_(*this, {"all_to_all", inputs, outputs, sends, expects}, opts.asyncOp, [&] {
     return launch_alltoall(c10d::OpType::ALLTOALL, std::move(args), sends, expects, false, sources, targets, outputs,
                            opts);
   });
@@ -219,7 +219,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
     cs.push_back(collective(plan_allgather(args.descs()[input], world), std::move(spans), ReduceOp::Sum,
                             "allgather_coalesced", args.text(input, 1)));
   }
-  return calls_(*this, {"allgather_coalesced", inputs, results}, [&] {
+  return calls_(*this, {"allgather_coalesced", inputs, results}, opts.asyncOp, [&] {
     return launch(c10d::OpType::ALLGATHER_COALESCED, std::move(args), std::move(cs), std::move(results),
                   timeout_or_default(opts.timeout), opts.asyncOp);
   });

@@ -32,17 +32,17 @@ std::exception_ptr as_torch_error(const std::exception_ptr& error, const char* o
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
-  return calls_(*this, CommsCall::message("send", tensors, dst),
+  return calls_(*this, CommsCall::message("send", tensors, dst), true,
                 [&] { return post_message(c10d::OpType::SEND, tensors, dst, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
-  return calls_(*this, CommsCall::message("recv", tensors, src),
+  return calls_(*this, CommsCall::message("recv", tensors, src), true,
                 [&] { return post_message(c10d::OpType::RECV, tensors, src, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return calls_(*this, CommsCall::message("recv", tensors, -1),
+  return calls_(*this, CommsCall::message("recv", tensors, -1), true,
                 [&] { return post_message(c10d::OpType::RECVANYSOURCE, tensors, -1, tag); });
 }
 

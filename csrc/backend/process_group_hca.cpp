@@ -262,7 +262,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return calls_(*this, {"allreduce", tensors, tensors}, [&] { return allreduce_sparse(tensors[0], opts); });
+    return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,
+                  [&] { return allreduce_sparse(tensors[0], opts); });
   }
   CallArgs args("allreduce", tensors);
   const ReduceOp op = args.reduce_op(opts.reduceOp);
@@ -270,7 +271,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
   cs.push_back(cached_collective(
       "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
-  return calls_(*this, {"allreduce", tensors, tensors}, [&] {
+  return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp, [&] {
     return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
@@ -291,7 +292,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor
   cs.push_back(cached_collective(
       "broadcast", args, ReduceOp::Sum, src, [&] { return plan_broadcast(args.descs(), getSize(), src); },
       [&] { return args.text(0, tensors.size()) + ", src=" + std::to_string(src); }));
-  return calls_(*this, {"broadcast", tensors, tensors}, [&] {
+  return calls_(*this, {"broadcast", tensors, tensors}, opts.asyncOp, [&] {
     return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
@@ -308,7 +309,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   cs.push_back(cached_collective(
       "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
-  return calls_(*this, {"reduce", tensors, tensors}, [&] {
+  return calls_(*this, {"reduce", tensors, tensors}, opts.asyncOp, [&] {
     return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
@@ -336,7 +337,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vecto
   std::vector<Collective> cs;
   cs.push_back(collective(plan_allgather(args.descs()[input], getSize()), std::move(spans), ReduceOp::Sum,
                           "allgather", args.text(input, 1)));
-  return calls_(*this, {"all_gather", inputs, list}, [&] {
+  return calls_(*this, {"all_gather", inputs, list}, opts.asyncOp, [&] {
     return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
@@ -351,7 +352,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
-  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs},
+  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
                 [&] { return launch_allgather(outputs, inputs, opts); });
 }
 
@@ -405,7 +406,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     cs.push_back(reduce_scatter_collective(args, i, outputs.size() + i, op));
   }
-  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, [&] {
+  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
     return launch(c10d::OpType::_REDUCE_SCATTER_BASE, std::move(args), std::move(cs), outputs,
                   timeout_or_default(opts.timeout), opts.asyncOp);
   });
@@ -415,7 +416,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
   CallArgs args("barrier", {});
   std::vector<Collective> cs;
   cs.push_back(collective({}, {}, ReduceOp::Sum, "barrier", ""));
-  return calls_(*this, {"barrier", {}, {}}, [&] {
+  return calls_(*this, {"barrier", {}, {}}, opts.asyncOp, [&] {
     return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
                   opts.asyncOp);
   });
