@@ -68,7 +68,7 @@ def test_many_messages_in_flight_tags_in_any_order(world):
 
 def _batch(rank, world):
     """A pipeline step: batch_isend_irecv to both neighbours, twice, same-pair order kept; then a
-    batch whose receive misfits its message. The batch's Works, their count and the misfit's error."""
+    batch whose receive misfits its message. The errors, the count of Works per batch and the misfit's error."""
     errors, counts = [], []
     for step in range(2):
         right, left = (rank + 1) % world, (rank - 1) % world
@@ -93,12 +93,10 @@ def _batch(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_batch_isend_irecv_pipeline_step(world):
-    """As with gloo, but as one Work per batch (hca supports coalescing, as NCCL does; gloo
-    returns a Work per operation)."""
-    results = run_ranks(_batch, world)
-    gloo = run_ranks(_batch, world, backend="gloo")
-    for rank, ((errors, counts, misfit), (_, gloo_counts, _)) in enumerate(zip(results, gloo)):
-        assert errors == [] and counts == [1, 1] and gloo_counts == [4, 4], (errors, counts, gloo_counts)
+    """As with gloo: a Work per operation (hca does not declare coalescing: one Work per batch
+    measured slower, see docs/architecture.md), the misfit failing its receive only."""
+    for rank, (errors, counts, misfit) in enumerate(run_ranks(_batch, world)):
+        assert errors == [] and counts == [4, 4], (errors, counts)
         if rank % 2 == 0 and rank + 1 < world:
             assert f"rank {rank + 1} sent 10 x float32 with tag 0, but this recv expects 20 x float32" in misfit, misfit
         elif rank % 2 == 1:

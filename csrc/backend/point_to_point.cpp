@@ -84,8 +84,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   } else {
     mailbox_->send(std::move(message));
   }
-  std::lock_guard<std::mutex> lock(coalescing_mutex_);
-  if (coalescing_) coalesced_messages_.push_back(work);
   return work;
 }
 

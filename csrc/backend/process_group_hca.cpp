@@ -437,23 +437,8 @@ void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
   work->wait(kNoTimeout);
 }
 
-void ProcessGroupHCA::startCoalescing() {
-  std::lock_guard<std::mutex> lock(coalescing_mutex_);
-  coalescing_ = true;
-  coalesced_messages_.clear();
-}
-
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  {
-    std::lock_guard<std::mutex> lock(coalescing_mutex_);
-    coalescing_ = false;
-    works.swap(coalesced_messages_);
-  }
-  auto collectives = launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
-  if (works.empty()) return collectives;
-  works.push_back(collectives);
-  return all_of(getRank(), c10d::OpType::COALESCED, works);
+  return launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
 }
 
 }  // namespace hca

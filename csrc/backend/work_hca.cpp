@@ -143,31 +143,6 @@ void WorkHCA::complete(std::exception_ptr error) {
   }
 }
 
-c10::intrusive_ptr<WorkHCA> all_of(int rank, c10d::OpType type,
-                                   const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
-  auto joined = c10::make_intrusive<WorkHCA>(rank, type, std::vector<at::Tensor>{}, nullptr);
-  struct Count {
-    std::mutex mutex;
-    size_t left;
-    std::exception_ptr error;
-  };
-  auto count = std::make_shared<Count>();
-  count->left = works.size();
-  for (const auto& work : works) {
-    work->getFuture()->addCallback([count, joined](c10::ivalue::Future& done) {
-      std::exception_ptr error;
-      {
-        std::lock_guard<std::mutex> lock(count->mutex);
-        if (done.hasError() && !count->error) count->error = done.exception_ptr();
-        if (--count->left > 0) return;
-        error = count->error;
-      }
-      joined->complete(error);
-    });
-  }
-  return joined;
-}
-
 void WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
   std::unique_lock<std::mutex> running;
   {

@@ -88,11 +88,6 @@ class PointToPointWork final : public WorkHCA {
   std::atomic<int> source_{-1};
 };
 
-// A Work that completes once every one of `works` has, with the first error
-// among them (a batch of point-to-point calls as one, for batch_isend_irecv).
-c10::intrusive_ptr<WorkHCA> all_of(int rank, c10d::OpType type,
-                                   const std::vector<c10::intrusive_ptr<c10d::Work>>& works);
-
 class WorkQueue {
  public:
   WorkQueue();
