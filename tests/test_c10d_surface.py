@@ -432,7 +432,7 @@ def _split(rank, world, backend, options):
         errors.append(mismatch("pair allreduce", t, reduce_reference([inputs[0].long(), inputs[1].long()], "SUM"), world))
     hierarchy = torch_hca.hierarchy(child)["cpu"] if backend == "hca" else None
     return (child.rank(), child.size(), pair is None, [e for e in errors if e],
-            hierarchy and (hierarchy.groups, hierarchy.basis))
+            hierarchy and (hierarchy.groups, hierarchy.basis), child._get_backend(torch.device("cpu"))._global_ranks)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -440,9 +440,11 @@ def test_split_group_gives_each_rank_its_child(world):
     """As gloo's split defines it: the child's rank is the position among the sorted ranks, a rank
     outside them gets None. gloo itself is not run beside it: in torch 2.13 its split is asked
     twice on one store (once per device type of the one gloo backend) and hung 2 of 3 runs here."""
-    for rank, (child_rank, size, left_out, errors, groups) in enumerate(run_ranks(_split, world, "hca", None)):
+    for rank, (child_rank, size, left_out, errors, groups, global_ranks) in enumerate(
+            run_ranks(_split, world, "hca", None)):
         assert (child_rank, size, left_out, errors) == (rank // 2, (world - rank % 2 + 1) // 2, rank > 1, [])
         mine = [r for r in range(world) if r % 2 == rank % 2]
+        assert global_ranks == mine  # what profiler traces name as the child's ranks
         kept = [[mine.index(r) for r in g if r in mine] for g in torch_hca._C.default_groups(world)]
         assert groups == ([g for g in kept if g], "split"), groups  # the parent's halves, kept for its ranks
 

@@ -129,9 +129,6 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_pt
   if (!std::binary_search(sorted.begin(), sorted.end(), getRank())) return nullptr;
   for (int r : sorted) check_rank(r, getSize(), "ranks", "split");
   auto group = child(store, sorted, opts ? opts->timeout : timeout_.load(), "split");
-  if (opts && !opts->global_ranks_in_group.empty()) {
-    group->calls_.set_global_ranks({opts->global_ranks_in_group.begin(), opts->global_ranks_in_group.end()});
-  }
   last_split_name_ = opts ? opts->group_name : "";
   last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(group);
   return group;
@@ -151,15 +148,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::shrink(const std::vector<int6
   auto store = c10::make_intrusive<c10d::PrefixStore>("hca_shrink/" + std::to_string(++shrinks_) + "/", store_);
   const auto timeout = opts ? opts->timeout : timeout_.load();
   if (shrink_flags & kShrinkAbort) abort();  // what is in flight fails now, not at its timeout
-  auto group = child(store, kept, timeout, "shrink");
-  if (!calls_.global_ranks().empty()) {
-    std::vector<int64_t> global;
-    for (int r : kept) global.push_back(calls_.global_ranks()[r]);
-    group->calls_.set_global_ranks(global);
-  } else {
-    group->calls_.set_global_ranks({kept.begin(), kept.end()});
-  }
-  return group;
+  return child(store, kept, timeout, "shrink");
 }
 
 c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_ptr<c10d::Store>& store,
@@ -179,6 +168,10 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +
                           R"(", "reason": "the parent group's, kept for its ranks )" + parent_ranks + R"("})";
   group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
+  // Its ranks in the world, from this group's (none known: this group is the world).
+  std::vector<int64_t> global;
+  for (int r : ranks) global.push_back(calls_.global_ranks().empty() ? r : calls_.global_ranks()[r]);
+  group->calls_.set_global_ranks(global);
   return group;
 }
 

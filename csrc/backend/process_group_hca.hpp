@@ -145,7 +145,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // torch.distributed's SHRINK_ABORT.
   static constexpr int kShrinkAbort = 1;
   // A group over `ranks` (sorted, this rank among them) of this one, on `store`: this
-  // group's options, staging sizes and executor, its groups kept for those ranks.
+  // group's options, staging sizes and executor, its groups kept for those ranks, and
+  // those ranks' places in the world.
   c10::intrusive_ptr<ProcessGroupHCA> child(const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::vector<int>& ranks, std::chrono::milliseconds timeout,
                                             const char* basis) const;
