@@ -9,6 +9,8 @@
 #include "node_backend.hpp"
 #include "passthrough_backend.hpp"
 #include "process_group_hca.hpp"
+#include "../transport/stream/aligned_span.h"
+#include "../transport/stream/model_runtime.h"
 #ifdef HCA_WITH_CUDA
 #include "../transport/cuda/peer_links.h"
 #endif
@@ -279,6 +281,49 @@ PYBIND11_MODULE(_C, m) {
       py::arg("places"), py::arg("level_names"));
   m.def("link_cliques", [](const std::vector<std::vector<bool>>& linked) { return checked([&] { return link_cliques(linked); }); },
         py::arg("linked"));
+  // The CPU model of the device (TORCH_HCA_CPU_EXECUTOR=streams), driven by tests as torch.cuda
+  // drives a GPU: the calling thread's current device, the caller's current stream of the device
+  // the process's CPU tensors stand for, and kernels of "the user" queued on it.
+  auto model = m.def_submodule("_model", "the CPU model of the device, for tests");
+  model.def("set_device", [](int device) { ModelRuntime::instance().set_device(device); });
+  model.def("current_device", [] { return ModelRuntime::instance().current_device(); });
+  model.def("tensor_device", [] { return ModelRuntime::instance().tensor_device(); });
+  model.def("contexts", [] { return ModelRuntime::instance().contexts(); });
+  model.def(
+      "use_side_stream",
+      [](bool side) {
+        ModelRuntime& rt = ModelRuntime::instance();
+        DeviceGuard guard(rt, rt.tensor_device());
+        rt.set_current_stream(rt.tensor_device(), side ? rt.create_stream() : nullptr);
+      },
+      py::arg("side"));
+  model.def(
+      "enqueue_copy",
+      [](at::Tensor dst, at::Tensor src, double delay_ms) {
+        ModelRuntime& rt = ModelRuntime::instance();
+        DeviceGuard guard(rt, rt.tensor_device());
+        rt.launch_on(rt.current_stream(rt.tensor_device())).issue([dst, src, delay_ms]() mutable {
+          std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(delay_ms));
+          dst.copy_(src);
+        });
+      },
+      py::arg("dst"), py::arg("src"), py::arg("delay_ms") = 0.0,
+      "a kernel of the caller: on its current stream, after `delay_ms`, dst.copy_(src)");
+  model.def(
+      "synchronize",
+      [] {
+        ModelRuntime& rt = ModelRuntime::instance();
+        HostStream& current = rt.stream_on(rt.tensor_device(), rt.current_stream(rt.tensor_device()));
+        current.synchronize(current.record());
+      },
+      py::call_guard<py::gil_scoped_release>(), "the host waits for the caller's current stream");
+  m.def(
+      "_aligned_span",
+      [](uintptr_t dst, uintptr_t src, size_t bytes) {
+        const AlignedSpan span = aligned_span(reinterpret_cast<void*>(dst), reinterpret_cast<void*>(src), bytes);
+        return py::make_tuple(span.head, span.unit, span.units, span.tail);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"));
 #ifdef HCA_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("peer_performance_rank", &cuda::peer_performance_rank, py::arg("src"), py::arg("dst"));

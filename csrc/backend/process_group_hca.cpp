@@ -42,7 +42,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   try {
     control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
     if (cpu_executor == CpuExecutor::HostStreams) {
-      cpu_call_streams_ = make_host_call_streams();
+      cpu_call_streams_ = make_model_call_streams();
       cpu_executor_ = make_host_stream_executor(*control_, std::make_shared<StoreRendezvous>(store_),
                                                 RingLayout{shm_slot_bytes, shm_slots});
     } else {

@@ -6,15 +6,134 @@
 
 namespace hca {
 
-std::shared_ptr<const CallTensors> StreamCall::keep(CallTensors tensors) const {
-  return std::make_shared<const CallTensors>(std::move(tensors));
+namespace {
+
+// Runtime failures on the caller's side surface as DistBackendError.
+template <class Fn>
+void as_backend_error(Fn fn) {
+  try {
+    fn();
+  } catch (const Failure& failure) {
+    C10_THROW_ERROR(DistBackendError, failure.what());
+  }
+}
+
+}  // namespace
+
+StreamCall::StreamCall(DeviceRuntime& runtime, int device, DeviceRuntime::Stream internal,
+                       DeviceRuntime::Stream caller)
+    : runtime_(runtime), device_(device), internal_(internal) {
+  DeviceGuard guard(runtime_, device_);
+  // Refused here, on the caller's thread, so that the group stays usable.
+  TORCH_CHECK(!runtime_.capturing(caller), "hca: collectives cannot be captured in a CUDA graph yet (the current "
+              "stream of device ", device_, " is capturing)");
+  as_backend_error([&] {
+    ready_ = runtime_.create_event();
+    end_ = runtime_.create_event();
+    runtime_.record(ready_, caller);
+  });
+}
+
+StreamCall::~StreamCall() {
+  try {
+    // On whatever thread drops the call last: the events' device, not that thread's.
+    DeviceGuard guard(runtime_, device_);
+    if (ready_) runtime_.destroy_event(ready_);
+    if (end_) runtime_.destroy_event(end_);
+  } catch (...) {
+    // A faulted device: the events go with its context.
+  }
+}
+
+void StreamCall::begin() const {
+  DeviceGuard guard(runtime_, device_);
+  as_backend_error([&] { runtime_.wait(internal_, ready_); });
+}
+
+void StreamCall::end() {
+  DeviceGuard guard(runtime_, device_);
+  as_backend_error([&] { runtime_.record(end_, internal_); });
+}
+
+void StreamCall::wait_for_end() const {
+  DeviceGuard guard(runtime_, device_);
+  try {
+    runtime_.synchronize(end_);
+  } catch (const Failure& fault) {
+    note_fault(fault.what());
+    check_fault();
+  }
+}
+
+bool StreamCall::query() const {
+  try {
+    DeviceGuard guard(runtime_, device_);
+    return runtime_.query(end_);
+  } catch (const Failure& fault) {
+    note_fault(fault.what());
+    return true;  // finished, with an error: wait() raises it
+  }
+}
+
+void StreamCall::make_current_stream_wait() const {
+  check_fault();
+  // The current stream is the device's: a null (legacy default) stream means
+  // the current device's, so the device must be current.
+  DeviceGuard guard(runtime_, device_);
+  as_backend_error([&] { runtime_.wait(current_stream(), end_); });
+  after_current_stream_waits();
 }
 
 void StreamCall::check_released() const {
+  check_fault();
   const std::string cause = issued_->cause();
   if (!cause.empty()) {
     C10_THROW_ERROR(DistBackendError, cause + " (this call was released unfinished: its outputs are undefined)");
   }
+}
+
+void StreamCall::note_fault(const std::string& fault) const {
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  if (fault_.empty()) fault_ = fault;
+}
+
+void StreamCall::check_fault() const {
+  std::lock_guard<std::mutex> lock(fault_mutex_);
+  if (!fault_.empty()) C10_THROW_ERROR(DistBackendError, fault_ + " (its outputs are undefined)");
+}
+
+std::shared_ptr<const CallTensors> StreamCall::keep(CallTensors tensors) const {
+  return std::make_shared<const CallTensors>(std::move(tensors));
+}
+
+CallStreams::CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of, MakeCall make)
+    : runtime_(runtime), index_of_(std::move(index_of)), make_(std::move(make)) {}
+
+CallStreams::~CallStreams() {
+  // Work still queued on a stream completes before its resources go.
+  for (const auto& [device, stream] : streams_) {
+    try {
+      DeviceGuard guard(runtime_, device);
+      runtime_.destroy_stream(stream);
+    } catch (...) {
+      // A faulted device.
+    }
+  }
+}
+
+std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
+  const int index = index_of_(device);
+  DeviceRuntime::Stream stream = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& internal = streams_[index];
+    if (!internal) {
+      DeviceGuard guard(runtime_, index);
+      as_backend_error([&] { internal = runtime_.create_stream(); });
+    }
+    stream = internal;
+  }
+  return make_(index, stream);
 }
 
 #ifndef HCA_WITH_CUDA
@@ -24,6 +143,8 @@ std::unique_ptr<CallStreams> make_cuda_call_streams() { return nullptr; }
 std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::shared_ptr<const CallTensors> kept,
                                         std::function<void()> body) {
   return [call = std::move(call), kept = std::move(kept), body = std::move(body)] {
+    // The thread running it (the group's worker) on the call's device: never a context on device 0.
+    DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();
     try {
       call->on_stream(body);
@@ -50,6 +171,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     c.keep = kept;
   }
   auto body = [&executor, call, kept, collectives = std::move(collectives)] {
+    // The thread running it (the group's worker) on the call's device: never a context on device 0.
+    DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();
     for (const auto& c : collectives) {
       try {

@@ -1,12 +1,18 @@
 // One call on a device stream, with ProcessGroupNCCL's semantics: issued on the
 // group's internal stream after the caller's current stream; wait() orders the
-// caller after it; the Future completes for the caller's streams. CUDA
-// (cuda/cuda_call) and the CPU model of the device (host_stream_call) implement it.
+// caller's current stream after it without blocking the host; the Future
+// completes for the caller's streams. The logic is written once, against the
+// device runtime (transport/stream/device_runtime.h), so that the CPU model of
+// the device runs the very code a GPU would; CUDA (cuda/cuda_call) and the
+// model (model_call) add only how torch sees streams and futures.
 #pragma once
 #include <functional>
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include "../transport/executor.h"
+#include "../transport/stream/device_runtime.h"
 #include "call_args.hpp"
 #include "work_hca.hpp"
 
@@ -20,26 +26,53 @@ struct CallTensors {
 
 class StreamCall : public DeviceCompletion {
  public:
+  // On the caller's thread: marks "inputs ready" on `caller` (the caller's
+  // current stream of `device`); refuses a caller's stream that is capturing a graph.
+  StreamCall(DeviceRuntime& runtime, int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller);
+  ~StreamCall() override;
+
+  DeviceRuntime& runtime() const { return runtime_; }
   // The stream to issue on (a cudaStream_t, or a HostStream of the model).
-  virtual void* stream() const = 0;
-  virtual int device_index() const = 0;
+  void* stream() const { return internal_; }
+  int device_index() const { return device_; }
   // Before issuing (on any thread): the internal stream waits for the caller's.
-  virtual void begin() const = 0;
+  void begin() const;
   // Issues `fn` on the internal stream after what was issued so far: torch ops
   // run with it current (CUDA), or the model's stream runs `fn` in its turn.
   virtual void on_stream(std::function<void()> fn) const = 0;
   // After issuing: the end of everything issued so far.
-  virtual void end() = 0;
+  void end();
   // Blocks the host until the stream has passed the end.
-  virtual void wait_for_end() const = 0;
+  void wait_for_end() const;
   // `tensors`, kept by whoever holds the result until the device is done with them.
   virtual std::shared_ptr<const CallTensors> keep(CallTensors tensors) const;
-
   const std::shared_ptr<Issued>& issued() const { return issued_; }
+
+  // A device error makes the call complete, and wait() raise it at once.
+  bool query() const override;
+  void make_current_stream_wait() const override;
   void check_released() const override;
 
+ protected:
+  // The calling thread's current stream of the call's device (torch's current stream).
+  virtual DeviceRuntime::Stream current_stream() const = 0;
+  // After the caller's current stream was made to wait for the end (the model:
+  // the host, which runs the caller's CPU ops, follows that stream).
+  virtual void after_current_stream_waits() const {}
+  DeviceRuntime::Event end_event() const { return end_; }
+
  private:
+  // DistBackendError with the device's fault, once one was seen.
+  void check_fault() const;
+  void note_fault(const std::string& fault) const;
+
+  DeviceRuntime& runtime_;
+  int device_;
+  DeviceRuntime::Stream internal_;
+  DeviceRuntime::Event ready_ = nullptr, end_ = nullptr;
   std::shared_ptr<Issued> issued_ = std::make_shared<Issued>();
+  mutable std::mutex fault_mutex_;
+  mutable std::string fault_;
 };
 
 // A group's internal stream per device. Every call of the group is issued on
@@ -49,14 +82,24 @@ class StreamCall : public DeviceCompletion {
 // waiting on a peer holds back everything queued behind it.
 class CallStreams {
  public:
-  virtual ~CallStreams() = default;
+  using MakeCall = std::function<std::shared_ptr<StreamCall>(int device, DeviceRuntime::Stream internal)>;
+  // `index_of`: the runtime's device index of a tensor device.
+  CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of, MakeCall make);
+  ~CallStreams();
   // A call on `device` (from the caller's thread: it marks the caller's stream).
-  virtual std::shared_ptr<StreamCall> call(const at::Device& device) = 0;
+  std::shared_ptr<StreamCall> call(const at::Device& device);
+
+ private:
+  DeviceRuntime& runtime_;
+  std::function<int(const at::Device&)> index_of_;
+  MakeCall make_;
+  std::mutex mutex_;
+  std::map<int, DeviceRuntime::Stream> streams_;
 };
 
-// The CPU model's (host_stream_call.cpp), and CUDA's (cuda/cuda_call.cpp; null
-// in a build without CUDA).
-std::unique_ptr<CallStreams> make_host_call_streams();
+// The CPU model's (model_call.cpp), and CUDA's (cuda/cuda_call.cpp; null in a
+// build without CUDA).
+std::unique_ptr<CallStreams> make_model_call_streams();
 std::unique_ptr<CallStreams> make_cuda_call_streams();
 
 // A Work body for host code that issues torch ops (`body`) on `call`'s stream

@@ -3,15 +3,16 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <random>
-#include <vector>
 #include <new>
+#include <random>
+#include <thread>
+#include <vector>
 
 namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 5;
+constexpr uint32_t kLayoutVersion = 6;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -52,6 +53,28 @@ void ControlBlock::throw_gone(int peer, const WaitContext& ctx) const {
 }
 
 void ControlBlock::mark_left() { slot(rank_).left.store(1, std::memory_order_release); }
+
+void ControlBlock::mark_staging_closed() { slot(rank_).staging_closed.store(1, std::memory_order_release); }
+
+bool ControlBlock::await_peers_closed_staging() const {
+  if (slot(rank_).failed.load(std::memory_order_acquire)) return false;
+  const auto give_up = Clock::now() + std::chrono::seconds(5);
+  for (int peer = 0; peer < world_; ++peer) {
+    while (peer != rank_ && !slot(peer).staging_closed.load(std::memory_order_acquire) && alive(peer)) {
+      if (Clock::now() > give_up) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  return true;
+}
+
+std::string ControlBlock::why_memory_gone(int peer) const {
+  const RankSlot& theirs = slot(peer);
+  if (theirs.failed.load(std::memory_order_acquire)) return "failed (its process may have exited)";
+  if (theirs.left.load(std::memory_order_acquire)) return "left its group (its staging was freed)";
+  if (!alive(peer)) return "died";
+  return "";
+}
 
 bool ControlBlock::alive(int peer) const {
   // Not attached yet: only the deadline applies.

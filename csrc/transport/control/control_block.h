@@ -44,6 +44,8 @@ struct alignas(kCacheLine) RankSlot {
   int32_t pid;
   // Set when the rank shut its group down: once its lock is gone, it left, not died.
   std::atomic<uint32_t> left;
+  // Set once the rank has let go of its mappings of the peers' device staging.
+  std::atomic<uint32_t> staging_closed;
   // The rank this one waits for now (-1: none), so that a rank timing out behind
   // a chain of waiters names the rank at its end, the one that is stuck.
   std::atomic<int32_t> waiting_on{-1};
@@ -98,6 +100,10 @@ class ControlBlock {
   void check_peer(int peer, const WaitContext& ctx) const;
   // Throws if `peer` has published a failure (only that: no liveness check).
   void check_peer_failed(int peer, const WaitContext& ctx) const;
+  // Why memory `peer` shares from its process may be gone now ("died", "left
+  // its group", "failed": about to exit), empty while it is there. For the CPU
+  // model of the device, which faults where a GPU would touching such memory.
+  std::string why_memory_gone(int peer) const;
   // Throws Failure(Unusable) with this rank's own cause once it has failed
   // (e.g. aborted from another thread).
   void check_usable(const std::string& operation) const;
@@ -111,6 +117,13 @@ class ControlBlock {
   // Says that this rank shut the group down (not a failure: what it finished
   // stays good for its peers); a peer still waiting on it is told it left.
   void mark_left();
+  // Device staging is freed only once no peer maps it, which the ranks say
+  // here, never through the store (rank 0's store may be gone by then): this
+  // rank has let go of its mappings of its peers' staging.
+  void mark_staging_closed();
+  // Until every peer has said so, or is gone; false if one has not within 5 s
+  // (it hangs), or at once if this rank has failed (a peer may never say so).
+  bool await_peers_closed_staging() const;
 
   // Tests: random words and text (no NUL) in this rank's slot, as a broken or
   // hostile peer would leave them; the ranks reading them must not crash.

@@ -10,6 +10,7 @@
 #include "../../plan/rounds.h"
 #include "../stream/stream_executor.h"
 #include "check.h"
+#include "cuda_runtime.h"
 #include "data_kernels.h"
 #include "stream_ops.h"
 
@@ -59,31 +60,12 @@ int device_with_uuid(const char* uuid) {
 
 [[noreturn]] void setup_failure(const std::string& why) { throw Failure(FailureKind::Setup, "CUDA setup", -1, why); }
 
-// Makes `device` current; restores the previous one only where it has a
-// context already, as torch's guards do: a fresh thread reports device 0, and
-// setting it back would create a context (~500 MB) on GPU 0 for every rank.
-class DeviceGuard final : public StreamDevice::Scope {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    changed_ = device != previous_;
-    if (changed_) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() override {
-    if (changed_ && has_primary_context(previous_)) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
 // This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
 class IpcStaging {
  public:
-  IpcStaging(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
-             std::chrono::milliseconds timeout)
-      : rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
+  IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, int device,
+             const CudaConfig& config, std::chrono::milliseconds timeout)
+      : control_(control), rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
     const size_t bytes = product_bytes(config.slot_bytes, static_cast<size_t>(config.slots), 1, "the CUDA staging");
     check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
     bases_[rank] = static_cast<char*>(own_);
@@ -122,17 +104,13 @@ class IpcStaging {
   }
 
   // Freeing memory that peers still map is undefined: it is freed once every
-  // rank has closed its mappings, and left allocated (until the process ends)
-  // when a rank does not say so in time (it died, or hangs).
+  // peer has closed its mappings or is gone, and left allocated (until the
+  // process ends) when one does not say so in time (it hangs). Through the
+  // control block: the store may be gone with rank 0 by now.
   void close_and_free() {
     close_peers();
-    rendezvous_.add("hca_cuda/closed", 1);
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-    while (rendezvous_.add("hca_cuda/closed", 0) < world_) {
-      if (std::chrono::steady_clock::now() > deadline) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    cudaFree(own_);
+    control_.mark_staging_closed();
+    if (control_.await_peers_closed_staging()) cudaFree(own_);
   }
 
   void close_peers() {
@@ -188,6 +166,7 @@ class IpcStaging {
                 "not every rank reached " + key);
   }
 
+  ControlBlock& control_;
   Rendezvous& rendezvous_;
   int rank_, world_;
   void* own_ = nullptr;
@@ -207,8 +186,10 @@ class RegisteredControl {
   ~RegisteredControl() { cudaHostUnregister(control_.data()); }
 
   uint64_t progress_word(int rank) const { return device_address(&control_.progress(rank, ProgressWord::Stream)); }
-  const uint32_t* failure_word(int rank) const {
-    return reinterpret_cast<const uint32_t*>(device_address(&control_.failure_word(rank)));
+  // Every rank's failure word, as the GPU addresses them.
+  ReleaseWords failure_words() const {
+    return {reinterpret_cast<const uint32_t*>(device_address(&control_.failure_word(0))),
+            static_cast<uint32_t>(sizeof(RankSlot) / sizeof(uint32_t)), control_.world()};
   }
 
  private:
@@ -221,19 +202,19 @@ class RegisteredControl {
 };
 
 // CUDA streams as a StreamDevice: IPC-mapped staging, copy and reduce kernels
-// (which do nothing once this rank's failure word is set), and stream memory
+// (which do nothing once any rank's failure word is set), and stream memory
 // operations on the registered control block.
 class CudaDevice final : public StreamDevice {
  public:
   // With `device` current.
   CudaDevice(ControlBlock& control, Rendezvous& rendezvous, int device, const CudaConfig& config,
              std::chrono::milliseconds timeout)
-      : device_(device),
-        ops_(device),
+      : ops_(device),
         registered_(control),
-        released_(registered_.failure_word(control.rank())),
-        staging_(rendezvous, control.rank(), control.world(), device, config, timeout) {}
+        released_(registered_.failure_words()),
+        staging_(control, rendezvous, control.rank(), control.world(), device, config, timeout) {}
 
+  DeviceRuntime& runtime() override { return cuda::runtime(); }
   char* staging(int rank) const override { return staging_.base(rank); }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     copy_async(cuda(stream), released_, dst, src, bytes);
@@ -251,43 +232,13 @@ class CudaDevice final : public StreamDevice {
   void write_progress(Stream stream, int rank, uint32_t value) override {
     ops_.write(cuda(stream), registered_.progress_word(rank), value);
   }
-  Event record(Stream stream) override {
-    cudaEvent_t event = nullptr;
-    check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
-    check(cudaEventRecord(event, cuda(stream)), "cudaEventRecord");
-    return event;
-  }
-  // Queried in thread-local capture mode, as ProcessGroupNCCL's watchdog does:
-  // in the default (global) mode a query from this thread would invalidate a
-  // graph the user is capturing on another. An error is a faulted device.
-  bool finished(Event event) override {
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(event));
-    cudaThreadExchangeStreamCaptureMode(&mode);
-    if (state == cudaSuccess) return true;
-    if (state == cudaErrorNotReady) return false;
-    cudaGetLastError();
-    throw Failure(FailureKind::DeviceFault, "CUDA", -1,
-                  std::string("the GPU faulted while running hca's stream: ") + cudaGetErrorString(state));
-  }
-  void destroy(Event event) override { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
-  void check_issuable(Stream stream) override {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(cuda(stream), &capturing), "cudaStreamIsCapturing");
-    if (capturing != cudaStreamCaptureStatusNone) {
-      throw Failure(FailureKind::Setup, "CUDA", -1, "CUDA graph capture is not supported by hca yet");
-    }
-  }
-  std::unique_ptr<Scope> make_current() override { return std::make_unique<DeviceGuard>(device_); }
 
  private:
   static cudaStream_t cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
 
-  int device_;
   StreamOps ops_;
   RegisteredControl registered_;
-  const uint32_t* released_;  // this rank's failure word, as the GPU addresses it
+  ReleaseWords released_;
   IpcStaging staging_;
 };
 
@@ -297,7 +248,7 @@ std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_
                                              CudaConfig config) {
   config.slot_bytes = aligned_slot_bytes(config.slot_bytes);
   auto open = [&control, config](Rendezvous& rendezvous, int device, std::chrono::milliseconds timeout) {
-    DeviceGuard guard(device);
+    DeviceGuard guard(cuda::runtime(), device);
     return std::unique_ptr<StreamDevice>(new CudaDevice(control, rendezvous, device, config, timeout));
   };
   return make_stream_executor(control, std::move(rendezvous), std::move(open),

@@ -15,12 +15,15 @@ namespace {
 constexpr int kMaxSources = 15;  // per launch; more sources take more launches
 constexpr int kThreads = 512;
 
-// Read once per block, by one thread, at system scope: the host writes it.
-__device__ bool released_now(const uint32_t* released) {
+// Read once per block, by one thread, at system scope: the host writes them.
+__device__ bool released_now(ReleaseWords released) {
   __shared__ uint32_t value;
   if (threadIdx.x == 0) {
-    value = ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*const_cast<uint32_t*>(released))
-                .load(::cuda::memory_order_relaxed);
+    value = 0;
+    for (int r = 0; r < released.count && !value; ++r) {
+      auto* word = const_cast<uint32_t*>(released.first + static_cast<size_t>(r) * released.stride);
+      value = ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*word).load(::cuda::memory_order_relaxed);
+    }
   }
   __syncthreads();
   return value != 0;
@@ -54,10 +57,9 @@ struct Mul { template <class A> __device__ static A apply(A a, A b) { return a *
 struct Min { template <class A> __device__ static A apply(A a, A b) { return b < a ? b : a; } };
 struct Max { template <class A> __device__ static A apply(A a, A b) { return a < b ? b : a; } };
 
-// Unit is uint4 where both pointers are 16-byte aligned (the staging and torch's
-// allocations are), else char.
+// Unit: the widest both pointers share (aligned_span.h).
 template <class Unit>
-__global__ void copy_kernel(const uint32_t* released, Unit* dst, const Unit* src, size_t n) {
+__global__ void copy_kernel(ReleaseWords released, Unit* dst, const Unit* src, size_t n) {
   if (released_now(released)) return;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -66,7 +68,7 @@ __global__ void copy_kernel(const uint32_t* released, Unit* dst, const Unit* src
 }
 
 template <class T, class Op>
-__global__ void reduce_kernel(const uint32_t* released, T* dst, const T* first, Sources srcs, int nsrc, size_t n,
+__global__ void reduce_kernel(ReleaseWords released, T* dst, const T* first, Sources srcs, int nsrc, size_t n,
                               T* out, int divisor) {
   if (released_now(released)) return;
   using Tr = Traits<T>;
@@ -81,7 +83,7 @@ __global__ void reduce_kernel(const uint32_t* released, T* dst, const T* first, 
 }
 
 template <class T>
-__global__ void scale_kernel(const uint32_t* released, T* dst, const T* src, size_t n, int divisor) {
+__global__ void scale_kernel(ReleaseWords released, T* dst, const T* src, size_t n, int divisor) {
   if (released_now(released)) return;
   using Tr = Traits<T>;
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
@@ -93,7 +95,7 @@ __global__ void scale_kernel(const uint32_t* released, T* dst, const T* src, siz
 unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024)); }
 
 template <class T, class Op>
-void launch_reduce(cudaStream_t stream, const uint32_t* released, void* dst, const void* first,
+void launch_reduce(cudaStream_t stream, ReleaseWords released, void* dst, const void* first,
                    const void* const* srcs, size_t nsrc, size_t n, void* out, int divisor) {
   // Sources beyond one launch fold into dst first; the last launch writes `out`.
   size_t done = 0;
@@ -111,7 +113,7 @@ void launch_reduce(cudaStream_t stream, const uint32_t* released, void* dst, con
 }
 
 template <class T>
-void reduce_typed(cudaStream_t stream, const uint32_t* released, ReduceOp op, void* dst, const void* first,
+void reduce_typed(cudaStream_t stream, ReleaseWords released, ReduceOp op, void* dst, const void* first,
                   const void* const* srcs, size_t nsrc, size_t n, void* out, int divisor) {
   switch (op) {
     case ReduceOp::Sum:
@@ -123,7 +125,7 @@ void reduce_typed(cudaStream_t stream, const uint32_t* released, ReduceOp op, vo
 }
 
 template <class T>
-void scale_typed(cudaStream_t stream, const uint32_t* released, void* dst, const void* src, size_t n, int divisor) {
+void scale_typed(cudaStream_t stream, ReleaseWords released, void* dst, const void* src, size_t n, int divisor) {
   scale_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(released, static_cast<T*>(dst), static_cast<const T*>(src), n,
                                                           divisor);
   check(cudaGetLastError(), "scale kernel launch");
@@ -131,24 +133,34 @@ void scale_typed(cudaStream_t stream, const uint32_t* released, void* dst, const
 
 }  // namespace
 
-void copy_async(cudaStream_t stream, const uint32_t* released, void* dst, const void* src, size_t bytes) {
+template <class Unit>
+void launch_copy(cudaStream_t stream, ReleaseWords released, char* d, const char* s, size_t units) {
+  if (units == 0) return;
+  copy_kernel<Unit><<<blocks_for(units), kThreads, 0, stream>>>(released, reinterpret_cast<Unit*>(d),
+                                                                  reinterpret_cast<const Unit*>(s), units);
+}
+
+void copy_async(cudaStream_t stream, ReleaseWords released, void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || dst == src) return;
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
-  const bool wide = ((reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s)) % sizeof(uint4)) == 0;
-  const size_t units = wide ? bytes / sizeof(uint4) : 0;
-  if (units) {
-    copy_kernel<uint4><<<blocks_for(units), kThreads, 0, stream>>>(released, reinterpret_cast<uint4*>(d),
-                                                                     reinterpret_cast<const uint4*>(s), units);
+  const AlignedSpan span = aligned_span(d, s, bytes);
+  launch_copy<char>(stream, released, d, s, span.head);
+  char* bulk_d = d + span.head;
+  const char* bulk_s = s + span.head;
+  switch (span.unit) {
+    case 16: launch_copy<uint4>(stream, released, bulk_d, bulk_s, span.units); break;
+    case 8: launch_copy<uint2>(stream, released, bulk_d, bulk_s, span.units); break;
+    case 4: launch_copy<uint32_t>(stream, released, bulk_d, bulk_s, span.units); break;
+    case 2: launch_copy<uint16_t>(stream, released, bulk_d, bulk_s, span.units); break;
+    default: launch_copy<char>(stream, released, bulk_d, bulk_s, span.units); break;
   }
-  const size_t done = units * sizeof(uint4);
-  if (done < bytes) {
-    copy_kernel<char><<<blocks_for(bytes - done), kThreads, 0, stream>>>(released, d + done, s + done, bytes - done);
-  }
+  const size_t tail_at = span.head + span.unit * span.units;
+  launch_copy<char>(stream, released, d + tail_at, s + tail_at, span.tail);
   check(cudaGetLastError(), "copy kernel launch");
 }
 
-void reduce_async(cudaStream_t stream, const uint32_t* released, DType dtype, ReduceOp op, void* dst,
+void reduce_async(cudaStream_t stream, ReleaseWords released, DType dtype, ReduceOp op, void* dst,
                   const void* first, const void* const* srcs, size_t nsrc, size_t n, void* out, int divisor) {
   if (n == 0) return;
   switch (dtype) {
@@ -168,7 +180,7 @@ void reduce_async(cudaStream_t stream, const uint32_t* released, DType dtype, Re
   }
 }
 
-void scale_copy_async(cudaStream_t stream, const uint32_t* released, DType dtype, void* dst, const void* src, size_t n,
+void scale_copy_async(cudaStream_t stream, ReleaseWords released, DType dtype, void* dst, const void* src, size_t n,
                       int divisor) {
   if (n == 0) return;
   if (divisor == 1) return copy_async(stream, released, dst, src, n * element_size(dtype));

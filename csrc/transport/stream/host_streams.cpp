@@ -11,6 +11,8 @@
 #include "../../plan/rounds.h"
 #include "../shm/kernels.h"
 #include "../shm/shm_executor.h"
+#include "aligned_span.h"
+#include "model_runtime.h"
 
 namespace hca {
 
@@ -31,7 +33,7 @@ class DeviceContext {
     return "the device faulted: " + what_;
   }
   void throw_if_faulted() const {
-    if (faulted()) throw std::runtime_error(what());
+    if (faulted()) throw Failure(FailureKind::DeviceFault, "CPU model of the device", -1, what());
   }
 
  private:
@@ -47,7 +49,7 @@ DeviceContext& context() {
 
 }  // namespace
 
-HostStream::HostStream() : worker_([this] { work(); }) {}
+HostStream::HostStream(int device) : device_(device), worker_([this] { work(); }) {}
 
 HostStream::~HostStream() {
   {
@@ -83,10 +85,14 @@ bool HostStream::passed(uint64_t mark) const {
   return completed_ >= mark;
 }
 
-void HostStream::synchronize(uint64_t mark) const {
+void HostStream::wait_passed(uint64_t mark) const {
   std::unique_lock<std::mutex> lock(mutex_);
   // Another stream's fault is not announced here: look again now and then.
   while (completed_ < mark && !context().faulted()) changed_.wait_for(lock, std::chrono::milliseconds(10));
+}
+
+void HostStream::synchronize(uint64_t mark) const {
+  wait_passed(mark);
   context().throw_if_faulted();
 }
 
@@ -116,13 +122,6 @@ void HostStream::work() {
 
 namespace {
 
-HostStream& host(StreamDevice::Stream stream) { return *static_cast<HostStream*>(stream); }
-
-struct HostEvent {
-  HostStream* stream;
-  uint64_t mark;
-};
-
 class HostStreams final : public StreamDevice {
  public:
   HostStreams(ControlBlock& control, Rendezvous& rendezvous, RingLayout ring, std::chrono::milliseconds timeout)
@@ -131,25 +130,48 @@ class HostStreams final : public StreamDevice {
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
                                       ring.slot_bytes, ring.slots, timeout)) {
     if (const char* at = std::getenv("TORCH_HCA_MODEL_FAULT_AT")) fault_at_ = std::strtoll(at, nullptr, 10);
+    if (const char* ms = std::getenv("TORCH_HCA_MODEL_OP_DELAY_MS")) {
+      op_delay_ = std::chrono::milliseconds(std::strtoll(ms, nullptr, 10));
+    }
   }
 
+  // As the CUDA staging is freed (cuda_executor.cpp): once every peer has let
+  // go of its view of ours, through the control block (the store may be gone).
+  // A peer's stream touching it after this rank left faults (check_peer_memory).
+  ~HostStreams() override {
+    control_.mark_staging_closed();
+    control_.await_peers_closed_staging();
+  }
+
+  DeviceRuntime& runtime() override { return ModelRuntime::instance(); }
   char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
+  // In the pieces the CUDA copy kernels take (aligned_span.h), so that a wrong cut shows here.
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
-    issue_data(stream, [=] { std::memcpy(dst, src, bytes); });
+    issue_data(stream, {dst, src}, [=] {
+      const AlignedSpan span = aligned_span(dst, src, bytes);
+      const size_t bulk = span.unit * span.units;
+      auto* d = static_cast<char*>(dst);
+      const auto* s = static_cast<const char*>(src);
+      std::memcpy(d, s, span.head);
+      std::memcpy(d + span.head, s + span.head, bulk);
+      std::memcpy(d + span.head + bulk, s + span.head + bulk, span.tail);
+    });
   }
   void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
               size_t nsrc, size_t n, void* out, int divisor) override {
-    issue_data(stream, [=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
+    std::vector<const void*> touched{dst, first, out};
+    touched.insert(touched.end(), srcs, srcs + nsrc);
+    issue_data(stream, std::move(touched), [=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
       shm::reduce_into(dtype, op, dst, first, sources.data(), nsrc, n, out, divisor);
     });
   }
   void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    issue_data(stream, [=] { shm::scale_copy(dtype, dst, src, n, divisor); });
+    issue_data(stream, {dst, src}, [=] { shm::scale_copy(dtype, dst, src, n, divisor); });
   }
   // As a GPU's front end waits: no deadline (the executor's watchdog releases it).
   void wait_progress(Stream stream, int rank, uint32_t value) override {
     auto* word = &control_.progress(rank, ProgressWord::Stream);
-    host(stream).issue([word, value] {
+    ModelRuntime::instance().launch_on(stream).issue([word, value] {
       for (int i = 0; !reached(word->load(std::memory_order_acquire), value) && !context().faulted(); ++i) {
         if (i < 64) {
           sched_yield();
@@ -161,43 +183,59 @@ class HostStreams final : public StreamDevice {
   }
   void write_progress(Stream stream, int rank, uint32_t value) override {
     auto* word = &control_.progress(rank, ProgressWord::Stream);
-    host(stream).issue([word, value] { word->store(value, std::memory_order_release); });
+    ModelRuntime::instance().launch_on(stream).issue([word, value] { word->store(value, std::memory_order_release); });
   }
-  Event record(Stream stream) override { return new HostEvent{&host(stream), host(stream).record()}; }
-  bool finished(Event event) override {
-    const auto* e = static_cast<HostEvent*>(event);
-    try {
-      return e->stream->passed(e->mark);
-    } catch (const std::runtime_error& fault) {
-      throw Failure(FailureKind::Setup, "CPU model of the device", -1, fault.what());
-    }
-  }
-  void destroy(Event event) override { delete static_cast<HostEvent*>(event); }
-  void check_issuable(Stream) override {}
-  std::unique_ptr<Scope> make_current() override { return nullptr; }
 
  private:
-  // A data operation, or the injected fault in its place; skipped once this
-  // rank has failed, as the CUDA kernels skip themselves.
+  // Whether any rank of the group has published a failure.
+  bool group_released() const {
+    for (int r = 0; r < control_.world(); ++r) {
+      if (control_.failure_word(r).load(std::memory_order_acquire) != 0) return true;
+    }
+    return false;
+  }
+
+  // Throws (faulting the device) if `p` lies in the staging of a peer whose memory may be gone.
+  void check_peer_memory(const void* p) const {
+    const char* at = static_cast<const char*>(p);
+    if (!at || at < staging_->data() || at >= staging_->data() + staging_->size()) return;
+    const int owner = static_cast<int>(static_cast<size_t>(at - staging_->data()) / ring_bytes_);
+    if (owner == control_.rank()) return;
+    const std::string gone = control_.why_memory_gone(owner);
+    if (!gone.empty()) {
+      throw std::runtime_error("an illegal memory access: an operation touched the staging of rank " +
+                               std::to_string(owner) + " (mapped from its process), which " + gone);
+    }
+  }
+
+  // A data operation (a kernel: launched on a stream of the current device), or
+  // the injected fault in its place; skipped once a rank of the group failed,
+  // as the CUDA kernels skip themselves.
   template <class Op>
-  void issue_data(Stream stream, Op op) {
+  void issue_data(Stream stream, std::vector<const void*> touched, Op op) {
+    HostStream& target = ModelRuntime::instance().launch_on(stream);
     if (++data_ops_ == fault_at_) {
-      host(stream).issue([n = data_ops_] {
+      target.issue([n = data_ops_] {
         throw std::runtime_error("injected fault at data operation " + std::to_string(n) +
                                  " (TORCH_HCA_MODEL_FAULT_AT)");
       });
       return;
     }
-    host(stream).issue([released = &control_.failure_word(control_.rank()), op = std::move(op)] {
-      if (released->load(std::memory_order_acquire) == 0) op();
+    target.issue([this, touched = std::move(touched), op = std::move(op)] {
+      std::this_thread::sleep_for(op_delay_);
+      if (group_released()) return;
+      for (const void* p : touched) check_peer_memory(p);
+      op();
     });
   }
 
   ControlBlock& control_;
   size_t ring_bytes_;
   std::unique_ptr<SharedSegment> staging_;
-  int64_t data_ops_ = 0;  // by the executor's issuing thread only
+  // By the executor's issuing thread only.
+  int64_t data_ops_ = 0;
   int64_t fault_at_ = -1;
+  std::chrono::milliseconds op_delay_{0};
 };
 
 }  // namespace
@@ -205,7 +243,8 @@ class HostStreams final : public StreamDevice {
 std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                                     RingLayout ring) {
   ring.slot_bytes = aligned_slot_bytes(ring.slot_bytes);
-  auto open = [&control, ring](Rendezvous& rendezvous, int, std::chrono::milliseconds timeout) {
+  auto open = [&control, ring](Rendezvous& rendezvous, int device, std::chrono::milliseconds timeout) {
+    DeviceGuard guard(ModelRuntime::instance(), device);
     return std::unique_ptr<StreamDevice>(new HostStreams(control, rendezvous, ring, timeout));
   };
   return make_stream_executor(control, std::move(rendezvous), std::move(open), ring);

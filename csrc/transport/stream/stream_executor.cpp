@@ -67,7 +67,7 @@ class StreamExecutor final : public Executor {
     wake_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
     if (!device_) return;
-    auto scope = device_->make_current();
+    DeviceGuard guard(device_->runtime(), device_index_);
     drain();
     runner_.reset();
     medium_.reset();
@@ -85,8 +85,10 @@ class StreamExecutor final : public Executor {
                       "this group's stream executor serves device " + std::to_string(device_index_) +
                           ", not device " + std::to_string(collective.device) + " (one device per rank and group)");
       }
-      auto scope = device_->make_current();
-      device_->check_issuable(collective.stream);
+      DeviceGuard guard(device_->runtime(), device_index_);
+      if (device_->runtime().capturing(collective.stream)) {
+        throw Failure(FailureKind::Setup, ctx.operation, -1, "CUDA graph capture is not supported by hca yet");
+      }
       medium_->set_stream(collective.stream);
       try {
         runner_->run(collective, ctx);
@@ -108,7 +110,7 @@ class StreamExecutor final : public Executor {
       if (issued) issued->release("no collective of the call was issued");
       return;
     }
-    auto scope = device_->make_current();
+    DeviceGuard guard(device_->runtime(), device_index_);
     WaitContext end{Clock::time_point::max(), "the end of a call", std::chrono::milliseconds(0)};
     try {
       track(lock, stream, end, std::move(issued), std::move(keep), {});
@@ -119,7 +121,7 @@ class StreamExecutor final : public Executor {
 
  private:
   struct Pending {
-    StreamDevice::Event done;
+    DeviceRuntime::Event done;
     WaitContext ctx;  // the end of a call: no deadline
     std::shared_ptr<Issued> issued;
     std::shared_ptr<const void> keep;
@@ -131,7 +133,14 @@ class StreamExecutor final : public Executor {
   // pass their poisoned waits, and nothing confirms that it finished.
   void track(std::unique_lock<std::mutex>& lock, void* stream, const WaitContext& ctx, std::shared_ptr<Issued> issued,
              std::shared_ptr<const void> keep, std::vector<uint32_t> awaited) {
-    StreamDevice::Event done = device_->record(stream);
+    DeviceRuntime& runtime = device_->runtime();
+    DeviceRuntime::Event done = runtime.create_event();
+    try {
+      runtime.record(done, stream);
+    } catch (...) {
+      runtime.destroy_event(done);
+      throw;
+    }
     lock.lock();
     pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited)});
     if (failed_) {
@@ -188,7 +197,7 @@ class StreamExecutor final : public Executor {
   // the group, and counts as passed: its streams run nothing more.
   bool oldest_passed() {
     try {
-      return device_->finished(pending_.front().done);
+      return device_->runtime().query(pending_.front().done);
     } catch (const Failure& fault) {
       if (!failed_) fail(Failure(FailureKind::DeviceFault, pending_.front().ctx.operation, -1, fault.cause()));
       return true;
@@ -198,12 +207,20 @@ class StreamExecutor final : public Executor {
   // Pops what the stream has passed (settling the calls that end there); for
   // the oldest unfinished collective, checks peers and its deadline.
   void watch() {
-    auto scope = device_->make_current();
+    DeviceGuard guard(device_->runtime(), device_index_);
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(2));
-      while (!pending_.empty() && oldest_passed()) pop_finished();
-      if (pending_.empty()) continue;
+      std::vector<std::shared_ptr<const void>> finished;
+      while (!pending_.empty() && oldest_passed()) finished.push_back(pop_finished());
+      if (!finished.empty()) {
+        // A tensor's last reference may run Python (a hook, a storage's deleter)
+        // that waits for the GIL: never under the lock every call issues through.
+        lock.unlock();
+        finished.clear();
+        lock.lock();
+      }
+      if (pending_.empty() || stop_) continue;
       if (failed_) {
         poison();  // a live peer may have overwritten a poisoned word with a smaller value
         continue;
@@ -218,14 +235,18 @@ class StreamExecutor final : public Executor {
     }
   }
 
-  void pop_finished() {
+  // Pops the oldest pending mark; returns what it kept alive, for the caller to
+  // let go of outside the lock.
+  std::shared_ptr<const void> pop_finished() {
     Pending& p = pending_.front();
     if (!failed_) {
       if (!p.awaited.empty()) confirm_finished(p);
       if (!failed_ && p.awaited.empty() && p.issued) p.issued->settle();
     }
-    device_->destroy(p.done);
-    pending_.pop_front();  // drops what it kept alive
+    device_->runtime().destroy_event(p.done);
+    std::shared_ptr<const void> kept = std::move(p.keep);
+    pending_.pop_front();
+    return kept;
   }
 
   // Throws what keeps `oldest` from finishing: a dead or failed peer, or its

@@ -1,0 +1,93 @@
+// StreamCall over the CPU model of the device. The caller's CPU torch ops run
+// on the host, so the host stands for the caller's current stream: after
+// wait() has made that stream wait, the host follows it (and the model raises
+// if the call has not finished by then: the caller would read unwritten
+// outputs), then waits for the executor to settle it, so that a release after
+// a failure is reported by wait() itself. The Future completes on the stream,
+// in its turn, as a CUDA host function would. Buffers the call kept alive are
+// poisoned when freed, as a GPU's caching allocator would hand them to the
+// next user at once.
+#include <c10/core/Storage.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+#include <thread>
+
+#include "../transport/stream/model_runtime.h"
+#include "stream_call.hpp"
+
+namespace hca {
+namespace {
+
+// NaN in every float type, -1 in every integer type.
+constexpr int kPoisonByte = 0xff;
+
+ModelRuntime& model() { return ModelRuntime::instance(); }
+
+class ModelCall final : public StreamCall {
+ public:
+  ModelCall(int device, DeviceRuntime::Stream internal)
+      : StreamCall(model(), device, internal, model().current_stream(device)) {}
+
+  void on_stream(std::function<void()> fn) const override {
+    model().stream_on(device_index(), stream()).issue(std::move(fn));
+  }
+
+  std::shared_ptr<const CallTensors> keep(CallTensors tensors) const override {
+    return std::shared_ptr<const CallTensors>(new CallTensors(std::move(tensors)), [](const CallTensors* kept) {
+      std::vector<c10::Storage> storages;
+      auto note = [&](const at::Tensor& t) {
+        if (t.defined() && t.has_storage()) storages.push_back(t.storage());
+      };
+      for (const auto& t : kept->args.dense()) note(t);
+      for (const auto& t : kept->outputs) note(t);
+      delete kept;
+      for (auto& s : storages) {
+        // Our reference is the last: the memory is being freed.
+        if (s.use_count() == 1 && s.nbytes() > 0) std::memset(s.mutable_data(), kPoisonByte, s.nbytes());
+      }
+    });
+  }
+
+  std::vector<c10::Device> devices() const override { return {}; }
+  // On a faulted device the Future gets the fault, as a CUDA Future's wait raises it.
+  void complete(c10::ivalue::Future& future, const c10::IValue& value) const override {
+    auto shared = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&future);
+    model().stream_on(device_index(), stream())
+        .issue([shared, value] { shared->markCompleted(value); },
+               [shared](const std::string& fault) {
+                 try {
+                   C10_THROW_ERROR(DistBackendError, "hca: " + fault);
+                 } catch (...) {
+                   shared->setError(std::current_exception());
+                 }
+               });
+  }
+
+ protected:
+  DeviceRuntime::Stream current_stream() const override { return model().current_stream(device_index()); }
+
+  void after_current_stream_waits() const override {
+    // The caller's next op on the device runs on its current stream of the device.
+    HostStream& caller = model().stream_on(device_index(), current_stream());
+    try {
+      caller.synchronize(caller.record());
+      TORCH_CHECK(model().query(end_event()), "hca (CPU model of the device): wait() returned before the call "
+                  "finished on the caller's current stream of device ", device_index(),
+                  ": the caller would read its outputs before they are written");
+    } catch (const Failure& fault) {
+      C10_THROW_ERROR(DistBackendError, std::string("hca: ") + fault.what());
+    }
+    while (!issued()->over()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<CallStreams> make_model_call_streams() {
+  return std::make_unique<CallStreams>(
+      model(), [](const at::Device&) { return model().tensor_device(); },
+      [](int device, DeviceRuntime::Stream internal) { return std::make_shared<ModelCall>(device, internal); });
+}
+
+}  // namespace hca

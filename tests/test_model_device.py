@@ -1,0 +1,273 @@
+"""What the CPU model of the device (TORCH_HCA_CPU_EXECUTOR=streams) checks that a GPU would:
+several devices, each thread's current device, the caller's own current stream, exclusive
+devices, peers' memory that goes with them, faults. A rank here stands on device `rank` of
+`world` model devices and never sets a current device, as a script that only moves its tensors
+to cuda:rank does; every test fails where the code ignores one of CUDA's rules."""
+import os
+import signal
+import threading
+import time
+import weakref
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import STREAMS_ENV, run_ranks
+from reference import make_input, mismatch, reduce_reference
+
+from torch_hca import _C
+
+model = _C._model
+
+
+def own_devices(world, exclusive=None, **extra):
+    """Each rank's environment: `world` model devices, rank r's tensors on device r; with
+    `exclusive` (a folder), a device takes one process's context only (EXCLUSIVE_PROCESS)."""
+    envs = []
+    for r in range(world):
+        env = {**STREAMS_ENV, "TORCH_HCA_MODEL_DEVICES": str(world), "TORCH_HCA_MODEL_DEVICE": str(r), **extra}
+        if exclusive:
+            env["TORCH_HCA_MODEL_EXCLUSIVE"] = exclusive
+        envs.append(env)
+    return envs
+
+
+def _late_peer_calls(rank, world):
+    """Async collectives that rank 0 joins 0.2 s late, waited at once: wait() must order the
+    caller's stream of the tensors' device (not of the thread's current device) after them."""
+    wrong = []
+    for case, name in enumerate(["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"]):
+        inputs = [make_input(case, r, 6_000 * world, torch.float32, "SUM") for r in range(world)]
+        mine = inputs[rank].clone()
+        if rank == 0:
+            time.sleep(0.2)
+        if name == "all_reduce":
+            want = reduce_reference(inputs, "SUM")
+            work = dist.all_reduce(mine, async_op=True)
+            got = mine
+        elif name == "broadcast":
+            want, got = inputs[world - 1], mine
+            work = dist.broadcast(mine, src=world - 1, async_op=True)
+        elif name == "all_gather":
+            want, got = torch.cat(inputs), torch.empty(6_000 * world * world)
+            work = dist.all_gather_into_tensor(got, mine, async_op=True)
+        elif name == "reduce_scatter":
+            want, got = reduce_reference(inputs, "SUM").chunk(world)[rank], torch.empty(6_000)
+            work = dist.reduce_scatter_tensor(got, mine, async_op=True)
+        else:
+            want = torch.cat([t.chunk(world)[rank] for t in inputs])
+            got = torch.empty_like(mine)
+            work = dist.all_to_all_single(got, mine, async_op=True)
+        work.wait()
+        wrong.append(mismatch(name, got, want, world))
+    return wrong
+
+
+def _user_kernel_before_the_call(rank, world):
+    """The caller's last kernel on its current stream (the default one, then a side stream)
+    writes the input 0.15 s later: the collective must read it after that kernel, not before."""
+    wrong = []
+    for side in (False, True):
+        model.use_side_stream(side)
+        inputs = [make_input(10 + side, r, 20_000, torch.float32, "SUM") for r in range(world)]
+        t = torch.zeros(20_000)
+        model.enqueue_copy(t, inputs[rank], 150)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        model.synchronize()
+        wrong.append(mismatch(f"all_reduce after a kernel (side stream: {side})", t, reduce_reference(inputs, "SUM"),
+                              world))
+    model.use_side_stream(False)
+    return wrong
+
+
+def _on_own_device(rank, world):
+    wrong = _late_peer_calls(rank, world) + _user_kernel_before_the_call(rank, world)
+    return [w for w in wrong if w], model.tensor_device(), model.contexts()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_on_its_own_device_never_made_current(world, tmp_path):
+    # EXCLUSIVE_PROCESS devices: a context on device 0 from rank 1 or 2 fails one of them.
+    results = run_ranks(_on_own_device, world, env_per_rank=own_devices(world, exclusive=str(tmp_path)))
+    for rank, (wrong, device, contexts) in enumerate(results):
+        assert wrong == [], wrong
+        assert device == rank and contexts == [rank], (rank, device, contexts)
+
+
+def _python_runs_when_a_call_lets_go(rank, world):
+    """The executor lets go of a call's tensors on its watchdog thread once the device is done
+    with them. Freeing one may run Python (here a numpy array's finalizer) that waits for
+    something else the group must do: never while the executor's lock is held."""
+    started, go_on, seen = threading.Event(), threading.Event(), {}
+
+    def finalizer():
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        started.set()
+        seen["released"] = go_on.wait(20)
+
+    array = np.ones(200_000, dtype=np.float32)
+    weakref.finalize(array, finalizer)
+    t = torch.from_numpy(array)
+    del array
+    if rank == 0:
+        time.sleep(0.2)  # the call is still running when its only holder is the executor
+    dist.all_reduce(t, async_op=True)
+    del t
+    assert started.wait(20), "the tensor was never freed"
+    # While the finalizer waits: another call must be issued and finish.
+    work = dist.all_reduce(torch.ones(1000), async_op=True)
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    completed = work.is_completed()
+    go_on.set()
+    work.wait()
+    return completed, seen
+
+
+def test_python_run_by_freeing_a_finished_calls_tensors_may_wait_for_the_group():
+    for completed, seen in run_ranks(_python_runs_when_a_call_lets_go, 2, env=STREAMS_ENV):
+        assert completed, "a call issued while a freed tensor's finalizer waited never finished"
+        assert seen == {"thread": True, "released": True}, seen
+
+
+def _rank_0_leaves_first(rank, world, port, slow_env):
+    """Rank 0 hosts the store; it destroys its group and exits while rank 1's stream (slowed
+    down) still reads rank 0's staging. Rank 1 must finish and shut down cleanly."""
+    os.environ.update({**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", **(slow_env if rank == 1 else {})})
+    import torch_hca  # noqa: F401
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("hca", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    inputs = [make_input(20, r, 400_000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    wrong = mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), world)
+    start = time.monotonic()
+    dist.destroy_process_group()
+    return wrong, time.monotonic() - start
+
+
+def _store_host_entry(rank, world, port, slow_env, results):
+    try:
+        results.put((rank, "ok", _rank_0_leaves_first(rank, world, port, slow_env)))
+    except BaseException as e:  # noqa: BLE001
+        results.put((rank, "error", repr(e)))
+    if rank == 0:
+        results.close()
+        results.join_thread()  # what was put reaches the test before the process goes
+        os._exit(0)  # at once: its store goes with it
+
+
+def test_the_rank_hosting_the_store_may_leave_first():
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    slow = {"TORCH_HCA_MODEL_OP_DELAY_MS": "5"}
+    procs = [ctx.Process(target=_store_host_entry, args=(r, 2, port, slow, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict()
+    for _ in range(2):
+        rank, status, value = results.get(timeout=120)
+        got[rank] = (status, value)
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    for rank in (0, 1):
+        status, value = got[rank]
+        assert status == "ok", (rank, value)
+        wrong, seconds = value
+        assert wrong is None, (rank, wrong)
+        assert seconds < 10, (rank, seconds)
+
+
+def _faulted_call(rank, world):
+    """Rank 1's device faults during an async call: the call completes (with an error) and
+    wait() raises the fault at once; rank 0 hears that rank 1 failed."""
+    t = torch.ones(300_000)
+    work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 20
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    completed = work.is_completed()
+    start = time.monotonic()
+    try:
+        work.wait()
+        raised = None
+    except dist.DistBackendError as e:
+        raised = str(e)
+    return completed, raised, time.monotonic() - start
+
+
+def test_a_call_on_a_faulted_device_completes_and_wait_raises_the_fault():
+    small = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536"}  # faults the 3rd op
+    envs = [small, {**small, "TORCH_HCA_MODEL_FAULT_AT": "3"}]
+    results = run_ranks(_faulted_call, 2, env_per_rank=envs, pg_timeout_s=30)
+    for rank, (completed, raised, seconds) in enumerate(results):
+        assert completed, rank
+        assert raised is not None and seconds < 2, (rank, raised, seconds)
+    assert "injected fault at data operation 3" in results[1][1], results[1][1]
+    assert "rank 1 failed" in results[0][1], results[0][1]
+
+
+def _peer_fails_alive(rank, world):
+    """Rank 2 fails (aborts its group) while its peers' streams have work queued that reads its
+    staging; it stays alive a while. The survivors must be told rank 2 failed, not fault on
+    its staging (which a failed rank may free any moment), and go on in a group without it."""
+    survivors = dist.new_group([0, 1])
+    group = dist.new_group([0, 1, 2])
+    if rank == 2:
+        dist.all_reduce(torch.ones(1 << 18), group=group)
+        time.sleep(0.05)
+        dist.distributed_c10d._abort_process_group(group)
+        time.sleep(2)
+        return None
+    dist.all_reduce(torch.ones(1 << 18), group=group)
+    works = [dist.all_reduce(torch.ones(1 << 18), group=group, async_op=True) for _ in range(30)]
+    messages = []
+    for w in works:
+        try:
+            w.wait()
+        except dist.DistBackendError as e:
+            messages.append(str(e))
+    inputs = [make_input(30, r, 100_000, torch.float32, "SUM") for r in (0, 1)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t, group=survivors)
+    return messages, mismatch("survivors' all_reduce", t, reduce_reference(inputs, "SUM"), 2)
+
+
+def test_survivors_of_a_failed_peer_do_not_touch_its_staging():
+    env = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536"}
+    for messages, wrong in run_ranks(_peer_fails_alive, 3, env=env, pg_timeout_s=30)[:2]:
+        assert messages, "rank 2 aborted: the calls it never joined must raise"
+        for msg in messages:
+            assert "rank 2" in msg and "illegal memory access" not in msg and "faulted" not in msg, msg
+        assert wrong is None, wrong
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_copies_are_cut_into_the_widest_units_both_pointers_share(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(2000):
+        dst, src = int(rng.integers(1 << 20)) * 64 + int(rng.integers(64)), int(rng.integers(1 << 20)) * 64
+        src += int(rng.integers(64))
+        size = int(rng.integers(0, 300))
+        head, unit, units, tail = _C._aligned_span(dst, src, size)
+        assert head + unit * units + tail == size
+        shared = next(u for u in (16, 8, 4, 2, 1) if dst % u == src % u)
+        if unit > 1:
+            assert (dst + head) % unit == 0 and (src + head) % unit == 0 and head < unit and tail < unit
+            assert units > 0
+        if size >= 2 * shared:  # room for the widest shared unit after its head
+            assert unit == shared, (dst, src, size, unit)
