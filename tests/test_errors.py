@@ -392,14 +392,15 @@ def _first_allreduce_error(rank, world):
 
 
 def test_different_stream_staging_fails_at_the_first_collective():
-    # The stream executor sets its staging up at the first collective (CUDA: on its device), so a
-    # mismatch surfaces there, on both ranks, and leaves the group unusable. Rank 0's streams are
-    # released by rank 1's poison: its collective must fail too, not pass with rank 1's garbage.
+    # The stream executor sets its staging up at the first collective (CUDA: on its device; the
+    # self-test's, which runs first), so a mismatch surfaces there, on both ranks, and leaves the
+    # group unusable. Rank 0's streams are released by rank 1's poison: its collective must fail
+    # too, not pass with rank 1's garbage.
     envs = [STREAMS_ENV, {**STREAMS_ENV, **STAGING_MISMATCHES["chunk size"]}]
     for msg, after, elapsed in run_ranks(_first_allreduce_error, 2, env_per_rank=envs, pg_timeout_s=30):
-        assert "collective #1 allreduce" in msg and "setting up its executor" in msg, msg
+        assert "self-test hierarchical_copy allreduce" in msg and "setting up its executor" in msg, msg
         assert "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be" in msg, msg
-        assert "collective #2" in after and "unusable" in after, after
+        assert "collective #1" in after and "unusable" in after, after
         assert elapsed < 20
 
 
@@ -413,7 +414,8 @@ def _faulting_device(rank, world):
 def test_a_faulted_device_fails_its_rank_and_its_peers_at_once():
     # A faulted GPU context never passes its events: the faulted rank must not report success,
     # and its peers must hear the cause instead of waiting the whole timeout.
-    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_FAULT_AT": "40"}, STREAMS_ENV, STREAMS_ENV]
+    untested = {**STREAMS_ENV, "TORCH_HCA_SELF_TEST": "0"}  # the 40th operation is the test's
+    envs = [{**untested, "TORCH_HCA_MODEL_FAULT_AT": "40"}, untested, untested]
     results = run_ranks(_faulting_device, 3, env_per_rank=envs, pg_timeout_s=30)
     faulted, elapsed = results[0]
     assert "faulted" in faulted and "injected fault at data operation 40" in faulted, faulted

@@ -211,7 +211,7 @@ def _faulted_call(rank, world):
 
 
 def test_a_call_on_a_faulted_device_completes_and_wait_raises_the_fault():
-    small = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536"}  # faults the 3rd op
+    small = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SELF_TEST": "0"}  # faults the 3rd op
     envs = [small, {**small, "TORCH_HCA_MODEL_FAULT_AT": "3"}]
     results = run_ranks(_faulted_call, 2, env_per_rank=envs, pg_timeout_s=30)
     for rank, (completed, raised, seconds) in enumerate(results):
@@ -271,3 +271,55 @@ def test_copies_are_cut_into_the_widest_units_both_pointers_share(seed):
             assert units > 0
         if size >= 2 * shared:  # room for the widest shared unit after its head
             assert unit == shared, (dst, src, size, unit)
+
+
+def _first_calls(rank, world):
+    """The first all-reduce's outcome (its error, or whether its sum is right), then a second's;
+    and the group's sequence number after them."""
+    pg = dist.group.WORLD._get_backend(torch.device("cpu"))
+    outcomes = []
+    for case in (40, 41):
+        inputs = [make_input(case, r, 5_000, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        try:
+            dist.all_reduce(t)
+            outcomes.append(mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), world) or "right")
+        except dist.DistBackendError as e:
+            outcomes.append(str(e))
+    return outcomes, pg._get_sequence_number_for_group()
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_self_test_passes_unseen(world):
+    for outcomes, sequence in run_ranks(_first_calls, world, env=STREAMS_ENV):
+        assert outcomes == ["right", "right"] and sequence == 2, (outcomes, sequence)
+
+
+def _mismatched_first_call(rank, world):
+    return str(pytest.raises(dist.DistBackendError, dist.all_reduce, torch.ones(4 + rank)).value)
+
+
+def test_the_self_test_leaves_the_users_collectives_numbered_from_one():
+    for msg in run_ranks(_mismatched_first_call, 2, env=STREAMS_ENV, pg_timeout_s=20):
+        assert "collective #1: mismatched calls" in msg and "called allreduce(Float[4]" in msg, msg
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_wrong_result_in_the_self_test_fails_every_rank_at_the_first_call(world):
+    # The leader's device (rank 0 reduces the one pack) flips a bit in its first reduce
+    # (TORCH_HCA_MODEL_CORRUPT_AT), no fault.
+    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_CORRUPT_AT": "1"}] + [STREAMS_ENV] * (world - 1)
+    for outcomes, _ in run_ranks(_first_calls, world, env_per_rank=envs, pg_timeout_s=30):
+        first, second = outcomes
+        assert "self-test" in first and "found wrong results" in first, first
+        assert "hierarchical_copy" in first and 'algorithm="nccl"' in first and "rank " in first, first
+        assert "differs at" in first, first
+        assert "unusable" in second or "self-test" in second, second
+
+
+def test_without_the_self_test_the_injected_corruption_goes_unnoticed():
+    # What the self-test guards against: the same corruption, skipped test, a wrong sum reported as success.
+    envs = [{**STREAMS_ENV, "TORCH_HCA_SELF_TEST": "0", "TORCH_HCA_MODEL_CORRUPT_AT": "1"},
+            {**STREAMS_ENV, "TORCH_HCA_SELF_TEST": "0"}]
+    outcomes = [o for o, _ in run_ranks(_first_calls, 2, env_per_rank=envs)]
+    assert any("all_reduce" in o[0] for o in outcomes), outcomes

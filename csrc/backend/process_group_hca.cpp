@@ -234,6 +234,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
   Executor& executor = executor_for(args.device(), args.name());
   for (auto& c : collectives) c.timeout = timeout;
   if (call_streams(args.device())) {
+    self_test_once(args.device());
     return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
   }
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
+#include <set>
 
 #include "../plan/plan.h"
 #include "../transport/control/control_block.h"
@@ -165,6 +167,10 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch_on_stream(c10d::OpType type, Executor& executor, CallArgs args,
                                                   std::vector<Collective> collectives,
                                                   std::vector<at::Tensor> outputs, bool async_op);
+  // At the group's first call on a stream transport for `device`'s tensors:
+  // each algorithm's all-reduce and broadcast checked on every rank
+  // (self_test.cpp); DistBackendError on a wrong result, on every rank.
+  void self_test_once(const at::Device& device);
   // The group's internal streams for `device`'s tensors, null where its
   // executor runs each collective to the end on the host (shared memory).
   CallStreams* call_streams(const at::Device& device);
@@ -228,6 +234,8 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;
+  std::recursive_mutex self_test_mutex_;  // its own collectives come back through launch()
+  std::set<c10::DeviceType> self_tested_;
   PlanCache plans_;
   CallRecorder calls_;
   WorkQueue queue_;  // last: its worker stops before the executors go

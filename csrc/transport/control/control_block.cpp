@@ -167,14 +167,18 @@ void ControlBlock::check_usable(const std::string& operation) const {
   }
 }
 
-WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milliseconds timeout) const {
-  const std::string operation = "collective #" + std::to_string(collectives_ + 1) + " " + signature;
+WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milliseconds timeout,
+                                bool internal) const {
+  const std::string operation =
+      internal ? signature
+               : "collective #" + std::to_string(collectives_ - internal_ + 1) + " " + signature;
   check_usable(operation);
   return {deadline_after(timeout), operation, timeout};
 }
 
-void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
+void ControlBlock::start(const std::string& signature, const WaitContext& ctx, bool internal) {
   const uint64_t n = ++collectives_;
+  if (internal) ++internal_;
   RankSlot& mine = slot(rank_);
   char* text = mine.signature[n % 2];
   std::strncpy(text, signature.c_str(), kSignatureBytes - 1);
@@ -185,7 +189,7 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx) {
     const RankSlot& theirs = slot(peer);
     await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
     if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
-      throw Failure(FailureKind::Mismatch, "collective #" + std::to_string(n), peer,
+      throw Failure(FailureKind::Mismatch, internal ? "the self-test" : "collective #" + std::to_string(n - internal_), peer,
                     "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
                         std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
     }

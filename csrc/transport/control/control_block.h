@@ -81,11 +81,13 @@ class ControlBlock {
 
   // The wait context of this rank's next collective (its number, signature and
   // deadline); throws Failure(Unusable) once this rank has failed before.
-  WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout) const;
+  // `internal`: one of hca's own (the self-test), named by its signature alone,
+  // not numbered among the user's.
+  WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout, bool internal = false) const;
   // Posts this rank's next collective and waits until every peer has posted
   // the same: throws Failure(Mismatch) naming both calls otherwise. Every wait
   // here also ends, with check_usable's Failure, once this rank has failed.
-  void start(const std::string& signature, const WaitContext& ctx);
+  void start(const std::string& signature, const WaitContext& ctx, bool internal = false);
 
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
     return slot(rank).progress[static_cast<int>(word)].value;
@@ -150,6 +152,7 @@ class ControlBlock {
   size_t slots_offset_;
   std::unique_ptr<SharedSegment> segment_;
   uint64_t collectives_ = 0;  // collectives started by this rank
+  uint64_t internal_ = 0;     // of which hca's own
   uint64_t monitored_ = 0;    // monitored barriers entered by this rank
   std::mutex publishing_;     // collectives and point-to-point fail on different threads
 };

@@ -55,9 +55,9 @@ ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t s
 }
 
 void ShmExecutor::run(const Collective& collective) {
-  const WaitContext ctx = control_.begin(collective.signature, collective.timeout);
+  const WaitContext ctx = control_.begin(collective.signature, collective.timeout, collective.internal);
   try {
-    control_.start(collective.signature, ctx);
+    control_.start(collective.signature, ctx, collective.internal);
     runner_->run(collective, ctx);
   } catch (const Failure& failure) {
     control_.publish_failure(failure);

@@ -130,6 +130,7 @@ class HostStreams final : public StreamDevice {
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
                                       ring.slot_bytes, ring.slots, timeout)) {
     if (const char* at = std::getenv("TORCH_HCA_MODEL_FAULT_AT")) fault_at_ = std::strtoll(at, nullptr, 10);
+    if (const char* at = std::getenv("TORCH_HCA_MODEL_CORRUPT_AT")) corrupt_at_ = std::strtoll(at, nullptr, 10);
     if (const char* ms = std::getenv("TORCH_HCA_MODEL_OP_DELAY_MS")) {
       op_delay_ = std::chrono::milliseconds(std::strtoll(ms, nullptr, 10));
     }
@@ -161,8 +162,13 @@ class HostStreams final : public StreamDevice {
               size_t nsrc, size_t n, void* out, int divisor) override {
     std::vector<const void*> touched{dst, first, out};
     touched.insert(touched.end(), srcs, srcs + nsrc);
+    const bool corrupt = ++reduces_ == corrupt_at_;
     issue_data(stream, std::move(touched), [=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
       shm::reduce_into(dtype, op, dst, first, sources.data(), nsrc, n, out, divisor);
+      if (corrupt && n > 0) {  // what this rank and its peers read next: the sum and its scaled copy
+        static_cast<unsigned char*>(dst)[element_size(dtype) - 1] ^= 0x40;
+        if (out != nullptr) static_cast<unsigned char*>(out)[element_size(dtype) - 1] ^= 0x40;
+      }
     });
   }
   void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
@@ -233,8 +239,8 @@ class HostStreams final : public StreamDevice {
   size_t ring_bytes_;
   std::unique_ptr<SharedSegment> staging_;
   // By the executor's issuing thread only.
-  int64_t data_ops_ = 0;
-  int64_t fault_at_ = -1;
+  int64_t data_ops_ = 0, reduces_ = 0;
+  int64_t fault_at_ = -1, corrupt_at_ = -1;
   std::chrono::milliseconds op_delay_{0};
 };
 

@@ -68,7 +68,8 @@ class HostStream {
 // The stream executor over the model (its streams are HostStreams of the
 // model's runtime, passed as Collective::stream). For tests:
 // TORCH_HCA_MODEL_FAULT_AT=n makes the n-th data operation this device issues
-// fault the device; TORCH_HCA_MODEL_OP_DELAY_MS=ms
+// fault the device; TORCH_HCA_MODEL_CORRUPT_AT=n makes the n-th reduce flip a bit
+// of its result's first element (a wrong result, no fault); TORCH_HCA_MODEL_OP_DELAY_MS=ms
 // makes every data operation take that much longer (a slow device).
 std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                                     RingLayout ring);

@@ -75,10 +75,10 @@ class StreamExecutor final : public Executor {
   }
 
   void run(const Collective& collective) override {
-    const WaitContext ctx = control_.begin(collective.signature, collective.timeout);
+    const WaitContext ctx = control_.begin(collective.signature, collective.timeout, collective.internal);
     std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
     try {
-      control_.start(collective.signature, ctx);
+      control_.start(collective.signature, ctx, collective.internal);
       if (!device_) set_up(collective.device, ctx);
       if (collective.device != device_index_) {
         throw Failure(FailureKind::Setup, ctx.operation, -1,
