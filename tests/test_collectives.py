@@ -256,6 +256,9 @@ def _wait_with_a_timeout(rank, world, device):
     """Work.wait(timeout) on an async call whose last rank comes late gives control back with an
     error instead of running the call to its end; a plain wait() then completes it."""
     dev = rank_device(device, rank)
+    # Not the group's first call: on a stream transport that one blocks until every rank is there
+    # (the self-test; NCCL's first call blocks likewise, making its communicator).
+    dist.all_reduce(torch.ones(1, device=dev))
     inputs = [make_input(91, r, 100, torch.float64, "SUM") for r in range(world)]
     t = inputs[rank].to(dev, copy=True)
     if rank == world - 1:
