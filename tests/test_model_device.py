@@ -135,9 +135,10 @@ def test_python_run_by_freeing_a_finished_calls_tensors_may_wait_for_the_group()
         assert seen == {"thread": True, "released": True}, seen
 
 
-def _rank_0_leaves_first(rank, world, port, slow_env):
-    """Rank 0 hosts the store; it destroys its group and exits while rank 1's stream (slowed
-    down) still reads rank 0's staging. Rank 1 must finish and shut down cleanly."""
+def _rank_0_leaves_first(rank, world, port, slow_env, rank_0_destroys):
+    """Rank 0 hosts the store; it exits while rank 1's stream (slowed down) still reads rank 0's
+    staging, after destroying its group or without (its process ends; the store goes with it).
+    Rank 1 must finish and shut down cleanly, without the store."""
     os.environ.update({**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", **(slow_env if rank == 1 else {})})
     import torch_hca  # noqa: F401
 
@@ -147,14 +148,17 @@ def _rank_0_leaves_first(rank, world, port, slow_env):
     t = inputs[rank].clone()
     dist.all_reduce(t)
     wrong = mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), world)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 is gone by now, when it does not destroy its group
     start = time.monotonic()
-    dist.destroy_process_group()
+    if rank == 1 or rank_0_destroys:
+        dist.destroy_process_group()
     return wrong, time.monotonic() - start
 
 
-def _store_host_entry(rank, world, port, slow_env, results):
+def _store_host_entry(rank, world, port, slow_env, rank_0_destroys, results):
     try:
-        results.put((rank, "ok", _rank_0_leaves_first(rank, world, port, slow_env)))
+        results.put((rank, "ok", _rank_0_leaves_first(rank, world, port, slow_env, rank_0_destroys)))
     except BaseException as e:  # noqa: BLE001
         results.put((rank, "error", repr(e)))
     if rank == 0:
@@ -163,7 +167,8 @@ def _store_host_entry(rank, world, port, slow_env, results):
         os._exit(0)  # at once: its store goes with it
 
 
-def test_the_rank_hosting_the_store_may_leave_first():
+@pytest.mark.parametrize("rank_0_destroys", [True, False])
+def test_the_rank_hosting_the_store_may_leave_first(rank_0_destroys):
     import multiprocessing as mp
     import socket
 
@@ -173,7 +178,7 @@ def test_the_rank_hosting_the_store_may_leave_first():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     slow = {"TORCH_HCA_MODEL_OP_DELAY_MS": "5"}
-    procs = [ctx.Process(target=_store_host_entry, args=(r, 2, port, slow, results), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_store_host_entry, args=(r, 2, port, slow, rank_0_destroys, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
     got = dict()
@@ -221,19 +226,20 @@ def test_a_call_on_a_faulted_device_completes_and_wait_raises_the_fault():
     assert "rank 1 failed" in results[0][1], results[0][1]
 
 
-def _peer_fails_alive(rank, world):
-    """Rank 2 fails (aborts its group) while its peers' streams have work queued that reads its
-    staging; it stays alive a while. The survivors must be told rank 2 failed, not fault on
-    its staging (which a failed rank may free any moment), and go on in a group without it."""
+def _peer_fails_alive(rank, world, how):
+    """Rank 2 fails while its peers' streams have work queued that reads its staging, and stays
+    alive a while: it aborts its group, or its device faults (its executor then poisons every
+    progress word, which lets the peers' waiting streams through at once). The survivors must be
+    told rank 2 failed, never touch its staging (which a failed rank may free any moment), and
+    go on in a group without it."""
     survivors = dist.new_group([0, 1])
     group = dist.new_group([0, 1, 2])
-    if rank == 2:
-        dist.all_reduce(torch.ones(1 << 18), group=group)
+    dist.all_reduce(torch.ones(1 << 18), group=group)
+    if rank == 2 and how == "abort":
         time.sleep(0.05)
         dist.distributed_c10d._abort_process_group(group)
         time.sleep(2)
         return None
-    dist.all_reduce(torch.ones(1 << 18), group=group)
     works = [dist.all_reduce(torch.ones(1 << 18), group=group, async_op=True) for _ in range(30)]
     messages = []
     for w in works:
@@ -241,18 +247,25 @@ def _peer_fails_alive(rank, world):
             w.wait()
         except dist.DistBackendError as e:
             messages.append(str(e))
+    if rank == 2:
+        time.sleep(2)
+        return None
     inputs = [make_input(30, r, 100_000, torch.float32, "SUM") for r in (0, 1)]
     t = inputs[rank].clone()
     dist.all_reduce(t, group=survivors)
     return messages, mismatch("survivors' all_reduce", t, reduce_reference(inputs, "SUM"), 2)
 
 
-def test_survivors_of_a_failed_peer_do_not_touch_its_staging():
-    env = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536"}
-    for messages, wrong in run_ranks(_peer_fails_alive, 3, env=env, pg_timeout_s=30)[:2]:
-        assert messages, "rank 2 aborted: the calls it never joined must raise"
+@pytest.mark.parametrize("how", ["abort", "device fault"])
+def test_survivors_of_a_failed_peer_do_not_touch_its_staging(how):
+    env = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SELF_TEST": "0"}
+    # Rank 2's 40th data operation: in the async calls (each is 16 of them).
+    fault = {"TORCH_HCA_MODEL_FAULT_AT": "40"} if how == "device fault" else {}
+    envs = [env, env, {**env, **fault}]
+    for messages, wrong in run_ranks(_peer_fails_alive, 3, how, env_per_rank=envs, pg_timeout_s=30)[:2]:
+        assert messages, "rank 2 failed: the calls it did not finish must raise"
         for msg in messages:
-            assert "rank 2" in msg and "illegal memory access" not in msg and "faulted" not in msg, msg
+            assert "rank 2" in msg and "illegal memory access" not in msg, msg
         assert wrong is None, wrong
 
 
