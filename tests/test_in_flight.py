@@ -104,8 +104,13 @@ def test_buffers_only_hca_holds_live_until_the_device_is_done(world, device):
     assert run_ranks(_temporaries_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
-def _ddp(rank, world, device, backend_name, steps=6):
-    dev = rank_device(device, rank) if backend_name == "hca" else torch.device("cpu")
+def _ddp(rank, world, device, backend_name, steps=6, set_device=True):
+    if backend_name != "hca":
+        dev = torch.device("cpu")
+    elif set_device:
+        dev = rank_device(device, rank)
+    else:  # as a script that only moves its model to cuda:rank: the current device stays 0
+        dev = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device(device)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(4)],
                                 torch.nn.Linear(64, 4)).to(dev)
@@ -129,6 +134,14 @@ def test_ddp_with_buckets_in_flight_matches_gloo(world, device):
     for r in range(1, world):
         for a, b in zip(hca[0], hca[r]):
             assert (a == b).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ddp_on_cuda_without_set_device_matches_gloo():
+    hca = run_ranks(_ddp, 2, "cuda", "hca", 6, False, env=SMALL_CHUNKS)
+    gloo = run_ranks(_ddp, 2, "cpu", "gloo", backend="gloo")
+    for a, b in zip(hca[0], gloo[0]):
+        torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-4, atol=1e-5)
 
 
 def _fsdp2(rank, world, device):

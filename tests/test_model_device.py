@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import STREAMS_ENV, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks
 from reference import make_input, mismatch, reduce_reference
+from test_in_flight import _ddp, _fsdp2
 
 from torch_hca import _C
 
@@ -96,6 +97,29 @@ def test_a_rank_on_its_own_device_never_made_current(world, tmp_path):
     for rank, (wrong, device, contexts) in enumerate(results):
         assert wrong == [], wrong
         assert device == rank and contexts == [rank], (rank, device, contexts)
+
+
+def _training_on_own_device(rank, world, loop, set_device):
+    """A training loop (DDP's buckets, or FSDP2's prefetched gathers and scatters) by a rank whose
+    tensors are on device `rank`, with or without making that device current first."""
+    if set_device:
+        model.set_device(rank)
+    params = _ddp(rank, world, "cpu", "hca") if loop == "ddp" else _fsdp2(rank, world, "cpu")
+    return params, model.contexts(), model.current_device()
+
+
+@pytest.mark.parametrize("loop,set_device", [("ddp", False), ("ddp", True), ("fsdp2", False)])
+def test_training_loops_on_own_devices_match_gloo(loop, set_device, tmp_path):
+    """What a script does on 2 GPUs: the parameters after the loop match gloo's, and no rank
+    touched a device but its own (EXCLUSIVE_PROCESS) or changed its thread's current device."""
+    hca = run_ranks(_training_on_own_device, 2, loop, set_device,
+                    env_per_rank=own_devices(2, exclusive=str(tmp_path), **SMALL_CHUNKS))
+    gloo = run_ranks(_ddp, 2, "cpu", "gloo", backend="gloo") if loop == "ddp" else run_ranks(
+        _fsdp2, 2, "cpu", backend="gloo")
+    for rank, (params, contexts, current) in enumerate(hca):
+        assert contexts == [rank] and current == (rank if set_device else 0), (rank, contexts, current)
+        for got, want in zip(params, gloo[0]):
+            torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-4, atol=1e-5)
 
 
 def _python_runs_when_a_call_lets_go(rank, world):

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # A lent GPU session, one device call per phase. Every call gets a bare machine, so every phase
-# builds first (its own, within the call), then does its part, all within 9 minutes:
-#   bash tools/gpu_session.sh smoke       # machine facts, build, a 2-rank allreduce, the probes (gpu_probes.py)
-#   bash tools/gpu_session.sh tests N     # build, then slice N (1-3) of the tests that run CUDA tensors
+# builds first (its own, within the call), then does its part, all within 9 minutes; every step
+# runs under `timeout`, capped by what is left of the phase, and is skipped when nothing is left:
+#   bash tools/gpu_session.sh smoke       # machine facts, build, first the 2-rank DDP and FSDP2 training
+#                                         # loops against gloo (with and without set_device), then a
+#                                         # 2-rank allreduce and the probes (gpu_probes.py)
+#   bash tools/gpu_session.sh tests N     # on request: build, then slice N (1-3) of the CUDA tests
 #   bash tools/gpu_session.sh memcheck    # build, then compute-sanitizer memcheck on a small 2-rank allreduce
 #   bash tools/gpu_session.sh bench       # build, then the benchmark on CUDA tensors (JSON + PNG)
 # Logs and results go under $OUT (the device tool's output folder; ./gpu-out elsewhere). Without a
@@ -17,6 +20,23 @@ started=$(date +%s)
 BUDGET=540  # seconds a phase may take, build included (a device call ends at 600)
 
 left() { echo $(( BUDGET - ($(date +%s) - started) )); }
+
+# bounded SECONDS COMMAND...: COMMAND under timeout, at most SECONDS and at most what the phase has left.
+bounded() {
+  local limit=$1
+  shift
+  local rest
+  rest=$(left)
+  (( rest < limit )) && limit=$rest
+  if (( limit < 5 )); then
+    echo "skipped (no time left in the phase): $*"
+    return 124
+  fi
+  timeout "$limit" "$@"
+}
+
+# The training loops the CUDA path has never run, first: DDP (set_device and not) and FSDP2, 2 ranks.
+LOOPS="cuda and (ddp_with_buckets_in_flight and 2 or ddp_on_cuda_without_set_device or fsdp2_overlapped and 2)"
 
 # The CUDA tests in slices that each fit one call after the build (-k cuda selects them).
 SLICES=(
@@ -35,7 +55,7 @@ torch.cuda.is_available() and torch.cuda.get_device_name(0), 'nccl', torch.cuda.
   } > "$OUT/env.txt" 2>&1
   local t0
   t0=$(date +%s)
-  if ! MAX_JOBS=$(nproc) timeout 300 $PYTHON -m pip install --no-build-isolation -e . > "$OUT/build.log" 2>&1; then
+  if ! bounded 300 env MAX_JOBS="$(nproc)" $PYTHON -m pip install --no-build-isolation -e . > "$OUT/build.log" 2>&1; then
     tail -60 "$OUT/build.log"
     echo "build failed"
     exit 1
@@ -48,9 +68,11 @@ assert torch_hca._C.has_cuda or not torch.cuda.is_available(), 'built without CU
 build
 case "$phase" in
 smoke)
-  timeout 120 $PYTHON tools/gpu_smoke.py --world 2 2>&1 | tee "$OUT/smoke.log"
+  (cd tests && bounded 240 $PYTHON -m pytest -v -rs -k "$LOOPS" --junitxml "$OUT/junit-loops.xml" \
+    test_in_flight.py 2>&1 | tee "$OUT/loops.log")
+  bounded 120 $PYTHON tools/gpu_smoke.py --world 2 2>&1 | tee "$OUT/smoke.log"
   if $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    timeout "$(left)" $PYTHON tools/gpu_probes.py --out "$OUT/probes.json" 2>&1 | tee "$OUT/probes.log"
+    bounded "$(left)" $PYTHON tools/gpu_probes.py --out "$OUT/probes.json" 2>&1 | tee "$OUT/probes.log"
   else
     echo "no GPU: probes skipped" | tee "$OUT/probes.log"
   fi
@@ -58,13 +80,13 @@ smoke)
 tests)
   n=${2:?tests needs a slice number, 1-${#SLICES[@]}}
   # -v streams one line per test, so a run cut by the timeout still tells what passed.
-  (cd tests && timeout "$(( $(left) - 10 ))" $PYTHON -m pytest -v -rs -k cuda --durations=15 \
+  (cd tests && bounded "$(( $(left) - 10 ))" $PYTHON -m pytest -v -rs -k cuda --durations=15 \
     --junitxml "$OUT/junit-$n.xml" ${SLICES[$n]} 2>&1 | tee "$OUT/tests-$n.log")
   ;;
 memcheck)
   # Every rank (spawned children) under the sanitizer, on a small allreduce; one round keeps it short.
   if command -v compute-sanitizer >/dev/null; then
-    timeout "$(left)" compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+    bounded "$(left)" compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
       $PYTHON tools/gpu_smoke.py --world 2 --numel 65536 --rounds 1 > "$OUT/memcheck.log" 2>&1
     echo "compute-sanitizer memcheck: exit $?" | tee -a "$OUT/memcheck.log"
     tail -5 "$OUT/memcheck.log"
@@ -73,7 +95,7 @@ memcheck)
   fi
   ;;
 bench)
-  timeout "$(left)" $PYTHON benchmarks/bench.py --device cuda --world-sizes 1,2,3,4 --ops allreduce,latency \
+  bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --world-sizes 1,2,3,4 --ops allreduce,latency \
     --latency-world-sizes 1,2,4 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
   ;;
 *)
