@@ -1,7 +1,9 @@
 """Bad input, mismatched calls, dead or missing peers: clear errors, no hang, nothing left in /dev/shm."""
+import glob
 import os
 from datetime import timedelta
 import signal
+import shutil
 import socket
 import subprocess
 import time
@@ -360,6 +362,49 @@ def test_segments_left_by_a_creator_that_died_are_swept_at_init():
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+_NO_PID_NAMESPACE_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+ssize_t readlink(const char* path, char* buf, size_t size) {
+  static ssize_t (*real)(const char*, char*, size_t);
+  if (strcmp(path, "/proc/self/ns/pid") == 0) {
+    errno = EACCES;
+    return -1;
+  }
+  if (!real) real = (ssize_t (*)(const char*, char*, size_t))dlsym(RTLD_NEXT, "readlink");
+  return real(path, buf, size);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the LD_PRELOAD shim")
+def test_a_rank_that_cannot_read_its_pid_namespace_sweeps_nothing(tmp_path, monkeypatch):
+    # Ranks whose /proc/self/ns/pid is unreadable (a sandbox): their namespace is unknown, and
+    # unknown matches nothing. Before, it read as "0", the namespace of every other such process,
+    # and a segment such a process (in another container) had made was swept as its pid is not
+    # alive here.
+    source = tmp_path / "no_pid_ns.c"
+    source.write_text(_NO_PID_NAMESPACE_SHIM)
+    shim = tmp_path / "no_pid_ns.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shim), str(source), "-ldl"], check=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    theirs = f"/dev/shm/torch_hca_0_{dead.pid}_00000000deadbeef"
+    before = set(glob.glob("/dev/shm/torch_hca_unknown_*"))
+    try:
+        os.close(os.open(theirs, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+        monkeypatch.setenv("LD_PRELOAD", str(shim))  # the spawned ranks load it
+        assert run_ranks(_first_allreduce, 2) == [[2.0] * 4] * 2
+        assert os.path.exists(theirs)
+    finally:
+        if os.path.exists(theirs):
+            os.unlink(theirs)
+    assert set(glob.glob("/dev/shm/torch_hca_unknown_*")) == before  # the group's own are gone again
 
 
 def test_too_little_shared_memory_is_named_at_init():

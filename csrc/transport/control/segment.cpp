@@ -29,13 +29,15 @@ std::string hostname() {
 
 constexpr char kNamePrefix[] = "/torch_hca_";
 
-// This process's pid namespace (its inode): pids are only comparable within one.
+// This process's pid namespace (its inode): pids are only comparable within
+// one. Empty when it cannot be read (no /proc, a sandbox): then it is unknown,
+// and matches no other, not even another unknown one.
 std::string pid_namespace() {
   char link[64] = {0};
   const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
   std::string text(link, n > 0 ? static_cast<size_t>(n) : 0);  // "pid:[4026531836]"
   const size_t open = text.find('['), close = text.find(']');
-  return open != std::string::npos && close > open ? text.substr(open + 1, close - open - 1) : "0";
+  return open != std::string::npos && close > open + 1 ? text.substr(open + 1, close - open - 1) : "";
 }
 
 // "/torch_hca_<pid namespace>_<creator pid>_<random>": names the creator, so
@@ -43,15 +45,20 @@ std::string pid_namespace() {
 std::string fresh_name() {
   std::random_device rd;
   char name[96];
-  snprintf(name, sizeof(name), "%s%s_%d_%08x%08x", kNamePrefix, pid_namespace().c_str(), static_cast<int>(getpid()),
-           rd(), rd());
+  const std::string pid_ns = pid_namespace();
+  snprintf(name, sizeof(name), "%s%s_%d_%08x%08x", kNamePrefix, pid_ns.empty() ? "unknown" : pid_ns.c_str(),
+           static_cast<int>(getpid()), rd(), rd());
   return name;
 }
 
 // Unlinks the named segments of this user whose creator, in this pid
 // namespace, is gone (rank 0 died between creating one and every rank attaching).
+// Not when this namespace is unknown: a pid from another one may name a live
+// process there, whose segment would go.
 void sweep_stale_segments() {
-  const std::string mine = std::string(kNamePrefix + 1) + pid_namespace() + "_";
+  const std::string pid_ns = pid_namespace();
+  if (pid_ns.empty()) return;
+  const std::string mine = std::string(kNamePrefix + 1) + pid_ns + "_";
   DIR* dir = opendir("/dev/shm");
   if (!dir) return;
   while (const dirent* entry = readdir(dir)) {
