@@ -262,6 +262,24 @@ def test_profiler_traces_name_every_operation_as_gloo_does(tmp_path):
         assert {"all_reduce", "broadcast", "barrier", "send" if rank == 0 else "recv"} <= set(listed), listed
 
 
+def _uneven_all_to_all_then_mismatch(rank, world):
+    """An all_to_all with uneven splits (hca exchanges the counts first) under the profiler, then
+    a mismatched all_reduce: what the profile and the mismatch report call each."""
+    from torch.profiler import ProfilerActivity, profile
+    sends = list(range(1, world + 1))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.all_to_all_single(torch.empty(world * (rank + 1)), torch.ones(sum(sends)), [rank + 1] * world, sends)
+    names = sorted({e.name for e in prof.events() if e.name.startswith("hca:")})
+    error = str(pytest.raises(dist.DistBackendError, dist.all_reduce, torch.ones(4 + rank)).value)
+    return names, error
+
+
+def test_the_count_exchange_is_named_internal_not_a_users_all_gather():
+    for names, error in run_ranks(_uneven_all_to_all_then_mismatch, 2, pg_timeout_s=20):
+        assert names == ["hca:all_to_all", "hca:internal_count_exchange"], names
+        assert "collective #2: mismatched calls" in error, error  # the all_to_all is #1
+
+
 def _comms_metadata(rank, world, trace_path):
     """The metadata a Chrome trace carries for each call (what trace-analysis tools read), for
     calls on the world and on the group of ranks [0, 2]."""

@@ -99,7 +99,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>&
 std::vector<int64_t> ProcessGroupHCA::exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout) {
   at::Tensor in = at::tensor(c10::ArrayRef<int64_t>(mine), at::kLong);
   at::Tensor out = at::empty({getSize() * static_cast<int64_t>(mine.size())}, at::kLong);
-  gather_step(out, in, timeout);
+  gather_step(out, in, timeout, "hca:internal_count_exchange");
   return std::vector<int64_t>(out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + out.numel());
 }
 

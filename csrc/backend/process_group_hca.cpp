@@ -230,12 +230,17 @@ Collective ProcessGroupHCA::cached_collective(const char* name, const CallArgs& 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallArgs args,
                                                        std::vector<Collective> collectives,
                                                        std::vector<at::Tensor> outputs,
-                                                       std::chrono::milliseconds timeout, bool async_op) {
+                                                       std::chrono::milliseconds timeout, bool async_op,
+                                                       const char* internal_title) {
   Executor& executor = executor_for(args.device(), args.name());
-  for (auto& c : collectives) c.timeout = timeout;
+  for (auto& c : collectives) {
+    c.timeout = timeout;
+    c.internal = internal_title != nullptr;
+  }
   if (call_streams(args.device())) {
     self_test_once(args.device());
-    return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op);
+    return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op,
+                            internal_title);
   }
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {
     for (const auto& c : collectives) {
@@ -247,7 +252,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
     }
     args.write_back();
   };
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body));
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), nullptr,
+                                           internal_title);
   queue_.submit(work, !async_op);
   return work;
 }
@@ -361,10 +367,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_allgather(const std::vect
 }
 
 void ProcessGroupHCA::gather_step(const at::Tensor& output, const at::Tensor& input,
-                                  std::chrono::milliseconds timeout) {
-  c10d::AllgatherOptions opts;
-  opts.timeout = timeout;
-  launch_allgather({output}, {input}, opts)->wait();
+                                  std::chrono::milliseconds timeout, const char* title) {
+  CallArgs args = allgather_tensor_args({output}, {input}, getRank(), getSize());
+  std::vector<Collective> cs{allgather_collective(args, 0, 1)};
+  cs[0].signature = std::string(title) + " " + cs[0].signature;
+  launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), {output}, timeout, false, title)->wait();
 }
 
 Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size_t output, size_t input,

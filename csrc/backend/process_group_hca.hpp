@@ -159,14 +159,17 @@ class ProcessGroupHCA : public c10d::Backend {
   // NotImplementedError naming the device where this build has none.
   Executor& executor_for(const at::Device& device, const char* op);
   // Queues `collectives` (which address args' dense tensors) as one Work.
+  // `internal_title`: one of hca's own calls (the self-test, a count exchange),
+  // named so in the profiler (static text) and not numbered among the user's.
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, CallArgs args, std::vector<Collective> collectives,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
-                                        bool async_op);
+                                        bool async_op, const char* internal_title = nullptr);
   // launch() for a stream executor (CUDA tensors; CPU tensors on the model of
   // the device): stream semantics of ProcessGroupNCCL (stream_call.cpp).
   c10::intrusive_ptr<c10d::Work> launch_on_stream(c10d::OpType type, Executor& executor, CallArgs args,
                                                   std::vector<Collective> collectives,
-                                                  std::vector<at::Tensor> outputs, bool async_op);
+                                                  std::vector<at::Tensor> outputs, bool async_op,
+                                                  const char* internal_title);
   // At the group's first call on a stream transport for `device`'s tensors:
   // each algorithm's all-reduce and broadcast checked on every rank
   // (self_test.cpp); DistBackendError on a wrong result, on every rank.
@@ -181,8 +184,10 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> launch_allgather(const std::vector<at::Tensor>& outputs,
                                                   const std::vector<at::Tensor>& inputs,
                                                   const c10d::AllgatherOptions& opts);
-  // Every rank's `input` into `output`, a step of a larger call; blocking.
-  void gather_step(const at::Tensor& output, const at::Tensor& input, std::chrono::milliseconds timeout);
+  // Every rank's `input` into `output`, a step of a larger call; blocking. An
+  // internal call named `title` (static text) in the profiler and in errors.
+  void gather_step(const at::Tensor& output, const at::Tensor& input, std::chrono::milliseconds timeout,
+                   const char* title);
   // Every rank's `mine` (same length everywhere), concatenated in rank order; blocking.
   std::vector<int64_t> exchange(const std::vector<int64_t>& mine, std::chrono::milliseconds timeout);
   // The alltoall of `args` (outputs first): this rank sends sends[j] elements

@@ -70,16 +70,15 @@ void ProcessGroupHCA::self_test_once(const at::Device& device) {
       CallArgs args("allreduce", {summed});
       Collective c{std::make_shared<const std::vector<PackPlan>>(plan_allreduce(args.descs(), world, options)),
                    args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " allreduce(Float[262147], SUM)"};
-      c.internal = true;
-      works.push_back(launch(c10d::OpType::ALLREDUCE, std::move(args), {std::move(c)}, {summed}, timeout_.load(), true));
+      works.push_back(launch(c10d::OpType::ALLREDUCE, std::move(args), {std::move(c)}, {summed}, timeout_.load(), true,
+                             "hca:internal_self_test"));
     }
     {
       CallArgs args("broadcast", {broadcast});
       Collective c{std::make_shared<const std::vector<PackPlan>>(plan_broadcast(args.descs(), world, root)),
                    args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " broadcast(Float[262147])"};
-      c.internal = true;
-      works.push_back(
-          launch(c10d::OpType::BROADCAST, std::move(args), {std::move(c)}, {broadcast}, timeout_.load(), true));
+      works.push_back(launch(c10d::OpType::BROADCAST, std::move(args), {std::move(c)}, {broadcast}, timeout_.load(),
+                             true, "hca:internal_self_test"));
     }
     for (auto& work : works) work->wait();
     for (const std::string& wrong : {difference(name + "'s all-reduce", summed, pattern(ranks_sum, 0)),

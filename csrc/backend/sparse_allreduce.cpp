@@ -45,8 +45,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_sparse(at::Tensor& ten
   values.narrow(0, 0, nnz).copy_(input._values());
   at::Tensor all_indices = at::empty({world * indices.numel()}, indices.options());
   at::Tensor all_values = at::empty({world * values.numel()}, values.options());
-  gather_step(all_indices, indices, timeout);
-  gather_step(all_values, values, timeout);
+  gather_step(all_indices, indices, timeout, "hca:internal_sparse_gather");
+  gather_step(all_values, values, timeout, "hca:internal_sparse_gather");
 
   std::vector<at::Tensor> index_parts, value_parts;
   auto per_rank_values = value_shape;

@@ -161,7 +161,8 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType type, Executor& executor,
                                                                  CallArgs args, std::vector<Collective> collectives,
-                                                                 std::vector<at::Tensor> outputs, bool async_op) {
+                                                                 std::vector<at::Tensor> outputs, bool async_op,
+                                                                 const char* internal_title) {
   std::shared_ptr<StreamCall> call = call_streams(args.device())->call(args.device());
   auto kept = call->keep(CallTensors{std::move(args), outputs});
   for (auto& c : collectives) {
@@ -187,7 +188,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     call->end();
     executor.end_call(call->stream(), call->issued(), kept);
   };
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), std::move(call));
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), std::move(call),
+                                           internal_title);
   queue_.submit(work, !async_op);
   return work;
 }

@@ -90,8 +90,8 @@ const char* profiling_title(c10d::OpType type) {
 // The profiling title starts a profiler range (when a profiler runs) that ends
 // when the Work finishes: traces show hca:<op> over the backend's real work.
 WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
-                 std::shared_ptr<DeviceCompletion> device)
-    : c10d::Work(rank, type, profiling_title(type)),
+                 std::shared_ptr<DeviceCompletion> device, const char* title)
+    : c10d::Work(rank, type, title ? title : profiling_title(type)),
       outputs_(std::move(outputs)),
       body_(std::move(body)),
       device_(std::move(device)),

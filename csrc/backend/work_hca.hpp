@@ -46,8 +46,9 @@ class WorkHCA : public c10d::Work {
   // `device` (optional): the stream work the body issues (what it reads and
   // writes is kept alive by whoever watches the stream, not by the Work: DDP
   // keeps only the Future).
+  // `title`: the profiler's name for it, if not the op's ("hca:all_reduce"): hca's own calls.
   WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, std::function<void()> body,
-          std::shared_ptr<DeviceCompletion> device = nullptr);
+          std::shared_ptr<DeviceCompletion> device = nullptr, const char* title = nullptr);
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   // The Future completes first; these follow it, so a Future waiter sees a completed Work.
   bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }

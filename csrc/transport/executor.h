@@ -53,7 +53,8 @@ struct Collective {
   // Every rank must pass the same text: a mismatch is reported, not executed.
   std::string signature;
   std::chrono::milliseconds timeout{0};
-  // One of hca's own (the self-test): errors name it, not a user's collective number.
+  // One of hca's own (the self-test, a count exchange): errors name it by its
+  // signature, not by a user's collective number.
   bool internal = false;
   // Stream media only: the device of the tensors, the stream to issue on (a
   // cudaStream_t, or a host stream of the CPU model), the call it belongs to,

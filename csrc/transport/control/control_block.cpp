@@ -189,7 +189,7 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx, b
     const RankSlot& theirs = slot(peer);
     await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
     if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
-      throw Failure(FailureKind::Mismatch, internal ? "the self-test" : "collective #" + std::to_string(n - internal_), peer,
+      throw Failure(FailureKind::Mismatch, internal ? ctx.operation : "collective #" + std::to_string(n - internal_), peer,
                     "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
                         std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
     }

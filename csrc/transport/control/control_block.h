@@ -81,7 +81,7 @@ class ControlBlock {
 
   // The wait context of this rank's next collective (its number, signature and
   // deadline); throws Failure(Unusable) once this rank has failed before.
-  // `internal`: one of hca's own (the self-test), named by its signature alone,
+  // `internal`: one of hca's own (the self-test, a count exchange), named by its signature alone,
   // not numbered among the user's.
   WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout, bool internal = false) const;
   // Posts this rank's next collective and waits until every peer has posted
