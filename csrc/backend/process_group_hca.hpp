@@ -174,6 +174,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // each algorithm's all-reduce and broadcast checked on every rank
   // (self_test.cpp); DistBackendError on a wrong result, on every rank.
   void self_test_once(const at::Device& device);
+  // TORCH_HCA_SELF_TEST is not "0" (read once, at the group's creation: not on every call).
+  static bool self_test_wanted();
   // The group's internal streams for `device`'s tensors, null where its
   // executor runs each collective to the end on the host (shared memory).
   CallStreams* call_streams(const at::Device& device);
@@ -239,6 +241,7 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::unique_ptr<shm::Mailbox> mailbox_;
+  const bool self_test_wanted_ = self_test_wanted();
   std::recursive_mutex self_test_mutex_;  // its own collectives come back through launch()
   std::set<c10::DeviceType> self_tested_;
   PlanCache plans_;

@@ -49,9 +49,13 @@ std::string difference(const std::string& what, const at::Tensor& got, const at:
 
 }  // namespace
 
-void ProcessGroupHCA::self_test_once(const at::Device& device) {
+bool ProcessGroupHCA::self_test_wanted() {
   const char* enabled = std::getenv("TORCH_HCA_SELF_TEST");
-  if (enabled && std::string(enabled) == "0") return;
+  return !enabled || std::string(enabled) != "0";
+}
+
+void ProcessGroupHCA::self_test_once(const at::Device& device) {
+  if (!self_test_wanted_) return;
   // Held while it runs: another thread's first call waits for it, not races it.
   std::lock_guard<std::recursive_mutex> lock(self_test_mutex_);
   if (!self_tested_.insert(device.type()).second) return;
@@ -69,14 +73,14 @@ void ProcessGroupHCA::self_test_once(const at::Device& device) {
     {
       CallArgs args("allreduce", {summed});
       Collective c{std::make_shared<const std::vector<PackPlan>>(plan_allreduce(args.descs(), world, options)),
-                   args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " allreduce(Float[262147], SUM)"};
+                   args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " allreduce(" + args.text(0, 1) + ", SUM)"};
       works.push_back(launch(c10d::OpType::ALLREDUCE, std::move(args), {std::move(c)}, {summed}, timeout_.load(), true,
                              "hca:internal_self_test"));
     }
     {
       CallArgs args("broadcast", {broadcast});
       Collective c{std::make_shared<const std::vector<PackPlan>>(plan_broadcast(args.descs(), world, root)),
-                   args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " broadcast(Float[262147])"};
+                   args.in_place(0, 1), ReduceOp::Sum, "self-test " + name + " broadcast(" + args.text(0, 1) + ")"};
       works.push_back(launch(c10d::OpType::BROADCAST, std::move(args), {std::move(c)}, {broadcast}, timeout_.load(),
                              true, "hca:internal_self_test"));
     }
