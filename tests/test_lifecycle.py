@@ -136,13 +136,15 @@ def _fork_after_init(rank, world):
     """Each rank forks a child that tries its parent's group, then destroys it; the parents go
     on. Returns the child's errors and exit status, and the parents' mismatches after it."""
     dist.all_reduce(torch.ones(8))
+    pending = dist.all_reduce(torch.ones(8), async_op=True)  # the parent's: the child may not wait for it
     read, write = os.pipe()
     child = os.fork()
     if child == 0:
         code = 1
         try:
+            backend = dist.group.WORLD._get_backend(torch.device("cpu"))
             calls = [lambda: dist.all_reduce(torch.ones(8)), lambda: dist.send(torch.ones(2), (rank + 1) % world),
-                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier]
+                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier, backend.get_error, pending.wait]
             errors = [raises(call, dist.DistBackendError) for call in calls]
             dist.destroy_process_group()  # neither hangs nor ends the parent's group
             os.write(write, json.dumps(errors).encode())
@@ -150,6 +152,7 @@ def _fork_after_init(rank, world):
         finally:
             os._exit(code)
     os.close(write)
+    pending.wait()
     status = _wait_for_child(child, 30)
     with os.fdopen(read) as f:
         errors = json.loads(f.read() or "[]")
@@ -163,7 +166,7 @@ def _fork_after_init(rank, world):
 def test_a_child_forked_after_init_is_refused_and_leaves_the_group_alone(layout):
     for errors, status, wrong in run_ranks(_fork_after_init, 3, pg_timeout_s=20, **_layout(layout)):
         assert status == 0 and wrong is None, (status, wrong)
-        assert len(errors) == 4
+        assert len(errors) == 6
         for message in errors:
             assert "was forked from the one that created the process group" in message, message
 
@@ -189,3 +192,60 @@ def test_a_rank_dead_while_its_forked_child_lives_is_noticed(executor):
         assert seconds < 10
 
 
+
+
+def _ended_from_another_thread(rank, world, how, executor_tries):
+    """Groups ended (abort, shutdown, or both at once from two threads) while another thread is
+    inside a blocking all-reduce of 16 MiB: per try, how many of its calls gave the right sum and
+    the error that stopped it (None: every call ended before the group did)."""
+    import random
+    import threading
+
+    inputs = [make_input(5, r, 4 << 20, torch.float32, "SUM") for r in range(world)]
+    expected = reduce_reference(inputs, "SUM")
+    outcomes = []
+    for attempt in range(executor_tries):
+        group = dist.new_group(backend="hca")
+        backend = group._get_backend(torch.device("cpu"))
+        outcome = {"right": 0, "error": None}
+
+        def calls():
+            try:
+                for _ in range(8):
+                    t = inputs[rank].clone()
+                    dist.all_reduce(t, group=group)
+                    wrong = mismatch("allreduce", t, expected, world)
+                    assert wrong is None, wrong
+                    outcome["right"] += 1
+            except dist.DistBackendError as e:
+                outcome["error"] = str(e)
+
+        caller = threading.Thread(target=calls)
+        caller.start()
+        time.sleep(random.Random(attempt * world + rank).uniform(0.0, 0.08))
+        enders = {"abort": [backend.abort], "shutdown": [backend.shutdown],
+                  "both": [backend.abort, backend.shutdown]}[how]
+        threads = [threading.Thread(target=end) for end in enders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        caller.join(60)
+        outcome["hung"] = caller.is_alive()
+        outcome["later"] = raises(lambda: dist.all_reduce(torch.ones(4), group=group), dist.DistBackendError)
+        outcomes.append(outcome)
+    return outcomes
+
+
+@pytest.mark.parametrize("how", ["abort", "shutdown", "both"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_group_ended_while_another_thread_is_inside_a_call(how, world):
+    """shutdown/abort (or both at once) from one thread while another is inside a blocking call:
+    that call gives the right sum or a clear error, never a crash or a hang (c908507 crashed 1 try
+    in 4 on abort, every try on shutdown; hung or crashed when both came at once)."""
+    for rank_outcomes in run_ranks(_ended_from_another_thread, world, how, 4, deadline_s=200):
+        for outcome in rank_outcomes:
+            assert not outcome["hung"], outcome
+            if outcome["error"] is not None:
+                assert any(word in outcome["error"] for word in ("abort", "shut down", "left")), outcome
+            assert "aborted" in outcome["later"] or "shut down" in outcome["later"], outcome

@@ -10,12 +10,14 @@ from node_cases import fsdp2_training
 from reference import make_input, mismatch, reduce_reference
 
 
-def _train(rank, world, steps=20):
+def _train(rank, world, steps=20, hook=None, bucket_cap_mb=0.01):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
                                 torch.nn.ReLU(), torch.nn.Linear(64, 4))
     # Small buckets: several allreduces per step, and the model's state broadcast at wrap time.
-    ddp = DDP(model, bucket_cap_mb=0.01)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    if hook is not None:
+        ddp.register_comm_hook(*_comm_hook(hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
@@ -35,6 +37,45 @@ def test_ddp_matches_gloo(algorithm):
         torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-6)
     for a, b in zip(hca[0], hca[1]):  # replicas stay identical
         assert (a == b).all()
+
+
+def _comm_hook(name):
+    """(state, hook) of one of torch's shipped DDP comm hooks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "powerSGD":
+        # From the third step on the hook compresses: its callbacks issue (and wait for) all-reduces.
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                            start_powerSGD_iter=2, min_compression_rate=0.5)
+        return state, powerSGD_hook.powerSGD_hook
+    return None, getattr(default_hooks, name + "_hook")
+
+
+# Not here: bf16_compress_hook (DDP takes it only with CUDA and NCCL 2.10+, or XPU), and
+# batched_powerSGD_hook (torch 2.13's raises in _orthogonalize before it communicates, with gloo too).
+COMM_HOOKS = ["allreduce", "fp16_compress", "powerSGD"]
+
+
+def _train_with_hooks(rank, world):
+    # Small buckets (several per step) and one bucket. PowerSGD with several buckets issues
+    # all-reduces from its callbacks on the worker thread while the main thread issues the next
+    # buckets': their order differs across ranks, with gloo too (its own error); one bucket only.
+    return {(hook, bucket): _train(rank, world, steps=8, hook=hook, bucket_cap_mb=bucket)
+            for hook in COMM_HOOKS for bucket in ((25,) if "powerSGD" in hook else (0.01, 25))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_comm_hooks_match_gloo(world):
+    """torch's shipped comm hooks, PowerSGD's among them (its future callbacks issue and wait for
+    all-reduces: with c908507's single worker they hung), train as with gloo."""
+    hca = run_ranks(_train_with_hooks, world)
+    gloo = run_ranks(_train_with_hooks, world, backend="gloo")
+    for hook in hca[0]:
+        for a, b in zip(hca[0][hook], gloo[0][hook]):
+            # fp16/bf16 sums of 3 ranks may round in another order than gloo's.
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-3, atol=1e-4, msg=str(hook))
+        for a, b in zip(hca[0][hook], hca[-1][hook]):
+            assert (a == b).all(), hook  # replicas stay identical
 
 
 def _train_fsdp2(rank, world):

@@ -208,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", [](const NodeBackend& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property_readonly("nodes", [](const NodeBackend& pg) { return pg.nodes().members; })
       .def_property_readonly("local", &NodeBackend::local)
+      .def("get_error", &NodeBackend::getError)  // as ProcessGroupHCA's
       .def_property("_global_ranks", [](NodeBackend& pg) { return pg.calls().global_ranks(); },
                     [](NodeBackend& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 

@@ -64,6 +64,8 @@ class EngineBackend : public c10d::Backend {
   }
   // Whether this is a child forked from the process that made the backend.
   bool in_forked_child() const { return !owner_.is_current(); }
+  // DistBackendError naming `op` in a forked child.
+  void check_process(const char* op) const { owner_.check(op); }
 
  private:
   OwningProcess owner_;

@@ -31,6 +31,11 @@ class NodeBackend : public EngineBackend {
   // of the world; on abort, everything is aborted before the queue is drained.
   void shutdown() override { end(false); }
   void abort() override { end(true); }
+  // The node's group's: a failure between nodes breaks it too.
+  c10d::ErrorType getError() override {
+    check_process("get_error");
+    return local_->getError();
+  }
 
   const std::string getBackendName() const override { return "hca"; }
   const Nodes& nodes() const { return nodes_; }

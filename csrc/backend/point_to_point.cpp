@@ -49,7 +49,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::recvAnysource(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, std::vector<at::Tensor>& tensors,
                                                              int peer, int tag) {
   const char* op = op_text(type);
-  check_open(op);
+  const auto call = life_.enter(op);  // held while this thread uses the group's parts
   TORCH_CHECK_VALUE(tensors.size() == 1, "hca ", op, ": expects one tensor, got ", tensors.size());
   if (type != c10d::OpType::RECVANYSOURCE) {
     const char* role = type == c10d::OpType::SEND ? "dst" : "src";

@@ -56,7 +56,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
 }
 
 ProcessGroupHCA::~ProcessGroupHCA() {
-  if (owner_.is_current()) {
+  if (life_.owner().is_current()) {
     end(false);
     return;
   }
@@ -72,38 +72,33 @@ ProcessGroupHCA::~ProcessGroupHCA() {
 }
 
 void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
-  if (control_) control_->publish_failure(Failure(kind, "", getRank(), cause));
-}
-
-void ProcessGroupHCA::check_open(const char* op) const {
-  owner_.check(op);
-  if (const char* how = ended_.load()) {
-    C10_THROW_ERROR(DistBackendError, std::string("hca ") + op + ": this process group was " + how +
-                                          " (destroy_process_group, shutdown or abort); create a new one");
-  }
+  if (auto call = life_.try_enter()) control_->publish_failure(Failure(kind, "", getRank(), cause));
 }
 
 void ProcessGroupHCA::end(bool abort) {
-  if (!owner_.is_current() || ended_) return;
   const std::string rank = "rank " + std::to_string(getRank());
-  // Published first on abort: this rank's waits and streams give up at once.
-  if (abort) fail(FailureKind::Aborted, rank + " aborted its process group");
-  queue_.stop();
-  mailbox_.reset();  // fails the messages still pending
-  cuda_executor_.reset();
-  cpu_executor_.reset();
-  cuda_call_streams_.reset();
-  cpu_call_streams_.reset();
-  control_->mark_left();  // what peers still waiting on this rank are told
-  failure_at_end_ = control_->failure_word(getRank()).load();
-  ended_ = abort ? "aborted" : "shut down";  // before the block goes: getError reads one or the other
-  control_.reset();
+  life_.end(
+      abort,
+      // Published first: this rank's waits and streams, on any thread, give up at once.
+      [&] { control_->publish_failure(Failure(FailureKind::Aborted, "", getRank(), rank + " aborted its process group")); },
+      [&] { queue_.stop(); },
+      [&] {
+        mailbox_.reset();  // fails the messages still pending
+        cuda_executor_.reset();
+        cpu_executor_.reset();
+        cuda_call_streams_.reset();
+        cpu_call_streams_.reset();
+        control_->mark_left();  // what peers still waiting on this rank are told
+        failure_at_end_ = control_->failure_word(getRank()).load();
+        control_.reset();
+      });
 }
 
 c10d::ErrorType ProcessGroupHCA::getError() {
-  const auto kind =
-      static_cast<FailureKind>(ended_ ? failure_at_end_.load() : control_->failure_word(getRank()).load());
-  switch (kind) {
+  life_.owner().check("get_error");
+  uint32_t word = failure_at_end_.load();
+  if (auto call = life_.try_enter()) word = control_->failure_word(getRank()).load();
+  switch (static_cast<FailureKind>(word)) {
     case FailureKind::None: return c10d::ErrorType::SUCCESS;
     case FailureKind::Timeout: return c10d::ErrorType::TIMEOUT;
     case FailureKind::PeerDied:
@@ -120,7 +115,7 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupHCA::getBackendOptions() 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_ptr<c10d::Store>& store,
                                                          const std::vector<int>& ranks,
                                                          const c10::intrusive_ptr<Options>& opts) {
-  check_open("split");
+  life_.enter("split");
   if (opts && !opts->group_name.empty() && opts->group_name == last_split_name_) {
     if (auto same = last_split_.lock()) return same;
   }
@@ -136,7 +131,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_pt
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::shrink(const std::vector<int64_t>& ranks_to_exclude,
                                                           int shrink_flags, const c10::intrusive_ptr<Options>& opts) {
-  check_open("shrink");
+  life_.enter("shrink");
   std::vector<int> kept;
   for (int r = 0; r < getSize(); ++r) {
     if (std::find(ranks_to_exclude.begin(), ranks_to_exclude.end(), r) == ranks_to_exclude.end()) kept.push_back(r);
@@ -176,10 +171,10 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
-  check_open(op);
   if (device.is_cpu()) return *cpu_executor_;
 #ifdef HCA_WITH_CUDA
   if (device.is_cuda()) {
+    std::lock_guard<std::mutex> lock(cuda_executor_mutex_);  // two threads' first CUDA calls make one
     if (!cuda_executor_) {
       cuda_call_streams_ = make_cuda_call_streams();
       cuda_executor_ = cuda::make_cuda_executor(*control_, std::make_shared<StoreRendezvous>(store_), cuda_config_);
@@ -232,6 +227,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                                                        std::vector<at::Tensor> outputs,
                                                        std::chrono::milliseconds timeout, bool async_op,
                                                        const char* internal_title) {
+  const auto call = life_.enter(args.name());  // held while this thread uses the group's parts
   Executor& executor = executor_for(args.device(), args.name());
   for (auto& c : collectives) {
     c.timeout = timeout;
@@ -424,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  check_open("monitoredBarrier");
+  const auto call = life_.enter("monitoredBarrier");
   const auto timeout = timeout_or_default(opts.timeout);
   auto body = [this, timeout, wait_all_ranks] {
     try {

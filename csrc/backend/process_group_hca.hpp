@@ -18,7 +18,7 @@
 #include "../transport/shm/mailbox.h"
 #include "call_args.hpp"
 #include "call_record.hpp"
-#include "owning_process.hpp"
+#include "group_life.hpp"
 #include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
 #include "stream_call.hpp"
@@ -63,7 +63,7 @@ class ProcessGroupHCA : public c10d::Backend {
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {
-    check_open("scribble_for_test");
+    const auto call = life_.enter("scribble_for_test");
     control_->scribble_for_test(seed);
     mailbox_->scribble_for_test(seed);
   }
@@ -152,8 +152,7 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<ProcessGroupHCA> child(const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::vector<int>& ranks, std::chrono::milliseconds timeout,
                                             const char* basis) const;
-  // DistBackendError naming `op` in a forked child or after shutdown/abort.
-  void check_open(const char* op) const;
+  // shutdown and abort, through life_.
   void end(bool abort);
   // The executor of `device`'s tensors, chosen here and nowhere else;
   // NotImplementedError naming the device where this build has none.
@@ -216,7 +215,7 @@ class ProcessGroupHCA : public c10d::Backend {
     return device.is_cuda() ? cuda_options_ : options_;
   }
 
-  OwningProcess owner_;
+  GroupLife life_;  // every call and every ending goes through it
   PlanOptions options_;       // CPU tensors
   PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups
   std::string hierarchy_;
@@ -233,13 +232,13 @@ class ProcessGroupHCA : public c10d::Backend {
   int shrinks_ = 0;  // the children shrink made, which name their keys on the store
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
-  std::atomic<const char*> ended_{nullptr};  // "shut down" or "aborted"
   std::atomic<uint32_t> failure_at_end_{0};  // this rank's FailureKind when the group ended
   // Before the executors: their streams outlive what the executors issued.
   std::unique_ptr<CallStreams> cpu_call_streams_;  // with the model of the device only
   std::unique_ptr<CallStreams> cuda_call_streams_;
   std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
+  std::mutex cuda_executor_mutex_;
   std::unique_ptr<shm::Mailbox> mailbox_;
   const bool self_test_wanted_ = self_test_wanted();
   std::recursive_mutex self_test_mutex_;  // its own collectives come back through launch()

@@ -26,36 +26,59 @@ void poll_briefly(Done done) {
 }  // namespace
 
 // The queue's state, which a queued Work's wait() reaches too (it may outlive the WorkQueue).
+// One thread at a time, the runner, takes queued Works. A Future's callbacks run on the
+// thread that completed it, outside the collective's lock; a callback on the runner that
+// issues a collective (PowerSGD's DDP hook waits for the one it issues) first hands the
+// runner's role to a spare thread, or it would wait for itself.
 class WorkQueueState {
  public:
-  // See WorkQueue::submit.
-  void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
-  // Runs `work` on this thread if it is next and the worker is idle; false if not.
+  // Starts the first runner.
+  void start();
+  // See WorkQueue::submit; false once the queue has stopped.
+  bool submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
+  // Runs `work` on this thread if it is next and the runner is idle; false if not.
   bool run_if_next(const WorkHCA& work);
-  // The worker thread's loop, until stop().
-  void loop();
+  // Runs what is queued, joins every thread; returns once no waiter runs a Work it took.
   void stop();
-  // The worker's wait for something queued (or stop()); mutex_ held through `lock`.
-  void idle(std::unique_lock<std::mutex>& lock);
 
  private:
+  // A thread's loop: the runner's while it is `me`, else parked until it is again (or stop()).
+  void loop(int me);
+  // The runner's wait for something queued (or stop()); mutex_ held through `lock`.
+  void idle(std::unique_lock<std::mutex>& lock);
   // Pops the head of the queue; mutex_ held.
   c10::intrusive_ptr<WorkHCA> take_front();
+  // Makes a parked thread, or a new one, the runner; mutex_ held.
+  void hand_off();
   std::mutex mutex_;
-  std::mutex running_;  // held while a collective runs, on any thread
+  std::mutex running_;  // held while a collective's body runs, on any thread
   std::condition_variable ready_;
+  std::condition_variable parked_ready_;
   std::deque<c10::intrusive_ptr<WorkHCA>> queue_;
   size_t unfinished_ = 0;  // queued or running after being queued
   // When the last Work was queued: a watching worker sleeps once that is long ago.
   std::chrono::steady_clock::time_point last_queued_at_;
-  const WorkHCA* worker_work_ = nullptr;  // the Work the worker took and has not finished
+  const WorkHCA* worker_work_ = nullptr;  // the Work the runner took and has not finished
   bool worker_work_waited_promptly_ = false;  // its waiter came within kPromptWait
   enum class Idle { No, Watching, Sleeping } worker_idle_ = Idle::No;
   // Whether the last queued Work's waiter came within kPromptWait: it ran the Work
   // (WorkHCA::wait) or would have, had the worker not taken it first.
   bool waiters_come_promptly_ = false;
   bool stop_ = false;
+  bool joined_ = false;
+  std::vector<std::thread> threads_;  // the runner and the parked ones, by number
+  std::vector<int> parked_;
+  int runner_ = 0;
+  int completing_ = 0;  // threads running callbacks of Works they ran: more may be queued
 };
+
+namespace {
+
+// Set on a thread while it runs the callbacks of a Work it took as the runner of a queue.
+thread_local const WorkQueueState* completing_queue = nullptr;
+thread_local int completing_thread = -1;
+
+}  // namespace
 
 namespace {
 
@@ -99,6 +122,7 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
                                                        device_ ? device_->devices() : std::vector<c10::Device>{})) {}
 
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
+  owner_.check("wait");  // a forked child has not the threads that complete it
   // Not with a timeout of its own: the caller then expects control back within it.
   if (timeout == kNoTimeout) {
     if (auto queue = queue_.lock()) queue->run_if_next(*this);
@@ -117,7 +141,7 @@ void WorkHCA::synchronize() {
   device_->check_released();
 }
 
-void WorkHCA::execute() {
+std::exception_ptr WorkHCA::run_body() {
   std::exception_ptr error;
   try {
     body_();
@@ -125,7 +149,7 @@ void WorkHCA::execute() {
     error = std::current_exception();
   }
   body_ = nullptr;
-  complete(error);
+  return error;
 }
 
 void WorkHCA::complete(std::exception_ptr error) {
@@ -143,14 +167,19 @@ void WorkHCA::complete(std::exception_ptr error) {
   }
 }
 
-void WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
+bool WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
   std::unique_lock<std::mutex> running;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (joined_) return false;
     if (!run_inline || unfinished_ > 0) {
       work->queued_at_ = last_queued_at_ = std::chrono::steady_clock::now();
       queue_.push_back(work);
       ++unfinished_;
+      if (completing_queue == this && completing_thread == runner_) {
+        hand_off();
+        return true;
+      }
       // A watching worker is not woken while waiters come promptly and run their
       // calls: it would compete with them (and the other ranks) for the cores only
       // to find the queue empty; it still looks within kWatchTick, for a call
@@ -160,12 +189,27 @@ void WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_in
         ready_.notify_one();
         worker_idle_ = Idle::No;  // one wake-up is enough, however long it takes to run
       }
-      return;
+      return true;
     }
     // Nothing is queued; taken under mutex_, so later submissions run after us.
     running = std::unique_lock<std::mutex>(running_);
   }
-  work->execute();
+  auto error = work->run_body();
+  running.unlock();
+  work->complete(error);
+  return true;
+}
+
+void WorkQueueState::hand_off() {
+  worker_idle_ = Idle::No;
+  if (!parked_.empty()) {
+    runner_ = parked_.back();
+    parked_.pop_back();
+    parked_ready_.notify_all();
+    return;
+  }
+  runner_ = static_cast<int>(threads_.size());
+  threads_.emplace_back([this, me = runner_] { loop(me); });
 }
 
 bool WorkQueueState::run_if_next(const WorkHCA& work) {
@@ -184,10 +228,13 @@ bool WorkQueueState::run_if_next(const WorkHCA& work) {
     // Everything before it has finished; taken under mutex_, so the worker's next Work waits for it.
     running = std::unique_lock<std::mutex>(running_);
   }
-  taken->execute();
+  auto error = taken->run_body();
   running.unlock();
-  std::lock_guard<std::mutex> lock(mutex_);
-  --unfinished_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    --unfinished_;
+  }
+  taken->complete(error);
   return true;
 }
 
@@ -197,28 +244,44 @@ c10::intrusive_ptr<WorkHCA> WorkQueueState::take_front() {
   return work;
 }
 
-void WorkQueueState::loop() {
+void WorkQueueState::loop(int me) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
+    if (runner_ != me) {
+      parked_.push_back(me);
+      parked_ready_.wait(lock, [&] { return stop_ || runner_ == me; });
+      if (runner_ != me) return;
+    }
     idle(lock);
     if (queue_.empty()) return;
     auto work = take_front();
     worker_work_ = work.get();
     worker_work_waited_promptly_ = false;
     lock.unlock();
+    std::exception_ptr error;
     {
       std::lock_guard<std::mutex> running(running_);
-      work->execute();
+      error = work->run_body();
     }
     lock.lock();
     worker_work_ = nullptr;
     waiters_come_promptly_ = worker_work_waited_promptly_;
     --unfinished_;
+    ++completing_;
+    lock.unlock();
+    completing_queue = this;
+    completing_thread = me;
+    work->complete(error);
+    completing_queue = nullptr;
+    work.reset();  // its last reference may go here: not under mutex_
+    lock.lock();
+    if (--completing_ == 0 && stop_) ready_.notify_all();
   }
 }
 
 void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {
-  while (!stop_ && queue_.empty()) {
+  // Stopping, it still waits for callbacks running elsewhere, which may queue more.
+  while ((!stop_ || completing_ > 0) && queue_.empty()) {
     // Each wake-up (a notify, the tick, a spurious one) returns here: the state
     // must be set again, or a submit would take a waiting worker for a busy one.
     if (std::chrono::steady_clock::now() - last_queued_at_ < kWatchBeforeSleeping) {
@@ -233,40 +296,56 @@ void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {
   }
 }
 
+void WorkQueueState::start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  threads_.emplace_back([this] { loop(0); });
+}
+
 void WorkQueueState::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (stop_) return;
     stop_ = true;
   }
   ready_.notify_all();
+  parked_ready_.notify_all();
+  // A callback may hand the runner's role on while the others end: join until none is left.
+  while (true) {
+    std::thread thread;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (threads_.empty()) {
+        joined_ = true;
+        break;
+      }
+      thread = std::move(threads_.back());
+      threads_.pop_back();
+    }
+    thread.join();
+  }
+  std::lock_guard<std::mutex> running(running_);  // a waiter that took the last Work has run it
 }
 
-WorkQueue::WorkQueue() : state_(std::make_shared<WorkQueueState>()), worker_([state = state_.get()] { state->loop(); }) {}
+WorkQueue::WorkQueue() : state_(std::make_shared<WorkQueueState>()) { state_->start(); }
 
 WorkQueue::~WorkQueue() {
   if (!owner_.is_current()) {
-    worker_.detach();  // the parent's thread: a forked child has no worker to stop
-    leave_in_child(state_);
+    leave_in_child(state_);  // the parent's threads: a forked child has none to stop
     return;
   }
   stop();
 }
 
-void WorkQueue::stop() {
-  if (!worker_.joinable()) return;
-  state_->stop();
-  worker_.join();  // after the queued Works have run
-}
+void WorkQueue::stop() { state_->stop(); }
 
 void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline) {
-  if (!owner_.is_current() || !worker_.joinable()) {
+  if (!owner_.is_current()) owner_.check(c10d::opTypeToString(work->retrieveOpType()).c_str());
+  work->queue_ = state_;
+  if (!state_->submit(work, run_inline)) {
     const std::string op = c10d::opTypeToString(work->retrieveOpType());
-    owner_.check(op.c_str());
     C10_THROW_ERROR(DistBackendError, "hca " + op + ": the process group was shut down (destroy_process_group, "
                                       "shutdown or abort); create a new one");
   }
-  work->queue_ = state_;
-  state_->submit(work, run_inline);
 }
 
 }  // namespace hca

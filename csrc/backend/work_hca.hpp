@@ -1,7 +1,7 @@
 // Work objects and the ordered queue behind them: collectives run one at a
 // time, in call order, on a worker thread (or inline: a blocking call with
 // nothing queued, or a queued Work waited on before the worker took it); each
-// Work completes a Future, which DDP reads.
+// Work completes a Future, which DDP reads; its callbacks may issue collectives.
 #pragma once
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -60,14 +60,15 @@ class WorkHCA : public c10d::Work {
   // stream then waits for the device, without blocking the host.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
-  // Runs the body and completes the Work and its Future (with the error, if any).
-  void execute();
+  // Runs the body: the error it threw, if any (complete() follows, outside the queue's lock).
+  std::exception_ptr run_body();
   // Completes the Work and its Future (a Work without a body, e.g. a send).
   void complete(std::exception_ptr error);
 
  private:
   friend class WorkQueue;
   friend class WorkQueueState;
+  OwningProcess owner_;
   std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
   std::chrono::steady_clock::time_point queued_at_;
   std::vector<at::Tensor> outputs_;
@@ -98,13 +99,12 @@ class WorkQueue {
   // DistBackendError in a process forked from the one that made the queue,
   // or once the queue has stopped.
   void submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline);
-  // Runs what is queued, then ends the worker (once; the destructor calls it).
+  // Runs what is queued, then ends the worker threads (once; the destructor calls it).
   void stop();
 
  private:
   OwningProcess owner_;
-  std::shared_ptr<WorkQueueState> state_;  // shared with the Works it holds
-  std::thread worker_;
+  std::shared_ptr<WorkQueueState> state_;  // shared with the Works it holds; owns the threads
 };
 
 }  // namespace hca
