@@ -1,9 +1,14 @@
-"""Options and their environment variables, including random (fuzzed) values."""
+"""Options and their environment variables, including random (fuzzed) values; options that
+differ across ranks."""
 import random
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import torch_hca
+from harness import RankFailed, run_ranks
 from torch_hca.options import Options, cuda_slots, shm_chunk_bytes, shm_slots
 
 
@@ -85,3 +90,47 @@ def test_slot_counts_beyond_the_bound_name_the_variable(reader, name):
     for bad in (str(2**31), str(2**40), "65537", "1"):
         with pytest.raises(ValueError, match=f"{name}=.*between 2 and 65536"):
             reader({name: bad})
+
+
+def _first_allreduce(rank, world):
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# Each case: what rank 1 (or ranks 1 and 2) set differently, and what every rank's error names.
+DIFFERING = {
+    "agg_small_grads_max_bytes": ([{}, {"TORCH_HCA_NUM_PACKS": "0", "TORCH_HCA_AGG_SMALL_GRADS_MAX_BYTES": "1024"}, {}],
+                                  ["num_packs is 1 on ranks 0, 2; 0 on rank 1",
+                                   "agg_small_grads_max_bytes is 0 on ranks 0, 2; 1024 on rank 1"]),
+    "agg_small_grads_max_group": ([{}, {"TORCH_HCA_AGG_SMALL_GRADS_MAX_GROUP": "3"}, {}],
+                                  ["agg_small_grads_max_group is 10 on ranks 0, 2; 3 on rank 1"]),
+    "reduce_to_device": ([{"TORCH_HCA_REDUCE_TO_DEVICE": "2"}, {"TORCH_HCA_REDUCE_TO_DEVICE": "1"}, {}],
+                         ["reduce_to_device is 2 on rank 0; 1 on rank 1; null on rank 2"]),
+    "groups": ([{}, {"TORCH_HCA_GROUPS": "0,1;2"}, {"TORCH_HCA_GROUPS": "0,1;2"}],
+               ['groups is "auto" on rank 0; [[0, 1], [2]] on ranks 1, 2']),
+    "algorithm": ([{"TORCH_HCA_ALGORITHM": "nccl"}, {}, {}],
+                  ['algorithm is "nccl" on rank 0; "hierarchical_copy" on ranks 1, 2']),
+}
+
+
+@pytest.mark.parametrize("case", DIFFERING)
+def test_options_that_differ_across_ranks_fail_at_init_on_every_rank(case):
+    """Options outside the call signature changed who sends what to whom on some ranks only:
+    wrong sums or a misleading error at c908507. Now each rank names them at init."""
+    env_per_rank, needles = DIFFERING[case]
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        run_ranks(_first_allreduce, 3, env_per_rank=env_per_rank, pg_timeout_s=30)
+    text = str(failed.value)
+    errors = [line for line in text.splitlines() if line.startswith("ValueError: hca: the options must be the same")]
+    assert len(errors) == 3, text
+    for needle in needles:
+        assert all(needle in line for line in errors), (needle, errors)
+    assert time.monotonic() - start < 20
+
+
+def test_pg_options_win_over_a_rank_s_own_environment():
+    env_per_rank = [{"TORCH_HCA_NUM_PACKS": "3"}, {}]
+    got = run_ranks(_first_allreduce, 2, env_per_rank=env_per_rank, pg_options=torch_hca.Options(num_packs=3))
+    assert got == [[2.0] * 10] * 2

@@ -1,5 +1,7 @@
 """Registers the c10d backend "hca" for CPU and CUDA devices."""
+import dataclasses
 import ipaddress
+import json
 import os
 import socket
 
@@ -29,6 +31,7 @@ def _create(dist_backend_opts, backend_options):
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     store = incarnation_store(dist_backend_opts.store, rank)
     timeout_ms = int(dist_backend_opts.timeout.total_seconds() * 1000)
+    check_same_options(store, rank, size, options, timeout_ms)
     if options.algorithm == "nccl":
         cpu_engine, cuda_engine = _engines(dist_backend_opts, store)
         return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
@@ -41,6 +44,26 @@ def _create(dist_backend_opts, backend_options):
     except Exception as e:
         _C.publish_setup_failure(store, rank, f"{type(e).__name__}: {e}")
         raise
+
+
+def check_same_options(store, rank, size, options, timeout_ms):
+    """Every option decides who sends what to whom (packs, aggregation, the reducing rank, the
+    groups): ranks that disagree would sum the wrong pieces, or fail later with a misleading
+    error. ValueError on every rank, naming each option that differs and the ranks' values."""
+    mine = json.dumps(dataclasses.asdict(options), sort_keys=True)
+    reports = [json.loads(r) for r in _C.exchange_reports(store, "options", rank, size, mine, timeout_ms)]
+    differences = []
+    for field in dataclasses.fields(Options):
+        by_value = {}
+        for r, report in enumerate(reports):
+            by_value.setdefault(json.dumps(report[field.name]), []).append(r)
+        if len(by_value) > 1:
+            held = "; ".join(f"{value} on {'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
+                             for value, ranks in by_value.items())
+            differences.append(f"{field.name} is {held}")
+    if differences:
+        raise ValueError("hca: the options must be the same on every rank (pg_options or TORCH_HCA_* variables): "
+                         + "; and ".join(differences))
 
 
 def incarnation_store(store, rank):
