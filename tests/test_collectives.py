@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import SMALL_CHUNKS, run_ranks
+from harness import SMALL_CHUNKS, raises, run_ranks
 from reference import (DTYPES, FLOATS, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
@@ -141,6 +141,17 @@ def _odd_shapes(rank, world, device):
     view = base[rank].clone().t()  # non-contiguous
     dist.all_reduce(view)
     errors.append(mismatch("transposed view", view, reduce_reference([b.t() for b in base], "SUM"), world))
+    # Views of other shapes, async: each in place once wait() returns.
+    cube = [make_input(6, r, 4 * 5 * 6, torch.float64, "SUM").reshape(4, 5, 6).to(dev) for r in range(world)]
+    views = [lambda t: t[:, ::2], lambda t: t.permute(2, 0, 1), lambda t: t[1:3, :, 1::3]]
+    owned = [view_of(cube[rank].clone()) for view_of in views]
+    pending = [dist.all_reduce(v, async_op=True) for v in owned]
+    for k, (view_of, v, work) in enumerate(zip(views, owned, pending)):
+        work.wait()
+        errors.append(mismatch(f"async view {k}", v, reduce_reference([view_of(c) for c in cube], "SUM"), world))
+    # A view whose elements share memory is refused before anything moves (every rank passes one).
+    message = raises(lambda: dist.all_reduce(torch.ones(1, 4, device=dev).expand(3, 4)), ValueError)
+    errors.append(None if "whose elements share memory" in message else message)
     empty = torch.empty(0, 3, device=dev)
     dist.all_reduce(empty)
     errors.append(None if empty.shape == (0, 3) else "empty tensor changed shape")

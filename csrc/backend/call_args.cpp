@@ -1,5 +1,6 @@
 #include "call_args.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -86,6 +87,10 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
     TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "hca ", name, ": tensors on ", t.device(), " and ",
                       tensors[0].device(), " in one call");
     descs_.push_back({plan_dtype(t.scalar_type(), name), static_cast<size_t>(t.numel())});
+    // Refused here, before any data moves: the write-back after the call could not store into it.
+    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "hca ", name, ": tensor ", descs_.size() - 1,
+                      " of the call is a view whose elements share memory (expand(), a stride of 0): pass a "
+                      "tensor of its own (.contiguous() or .clone())");
     dense_.push_back(t.is_contiguous() ? t : t.contiguous());
   }
   check_own_memory(name, tensors, may_alias);
