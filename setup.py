@@ -15,8 +15,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 CPU_FOLDERS = ("plan", "transport", "transport/control", "transport/shm", "transport/stream", "transport/nccl",
-               "backend")
-CUDA_FOLDERS = ("transport/cuda", "backend/cuda")
+               "backend", "backend/group", "backend/calls", "backend/engines", "backend/ops")
+CUDA_FOLDERS = ("transport/cuda", "backend/calls/cuda")
 
 
 def sources(folders, patterns=("*.cpp",)):

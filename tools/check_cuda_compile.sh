@@ -20,7 +20,7 @@ from torch.utils.cpp_extension import include_paths
 print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['include']]))")
 abi=$($PYTHON -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
 flags=(-std=c++17 -O0 -w -DHCA_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI=$abi -I"$out/shim" $includes)
-files=(csrc/transport/cuda/*.cu csrc/transport/cuda/*.cpp csrc/backend/cuda/*.cpp csrc/backend/*.cpp)
+files=(csrc/transport/cuda/*.cu csrc/transport/cuda/*.cpp csrc/backend/calls/cuda/*.cpp csrc/backend/*.cpp csrc/backend/*/*.cpp)
 for f in "${files[@]}"; do
   echo "nvcc -c $f"
   nvcc "${flags[@]}" -c "$f" -o "$out/$(basename "$f").o"

@@ -6,11 +6,11 @@
 
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
-#include "node_backend.hpp"
-#include "passthrough_backend.hpp"
-#include "process_group_hca.hpp"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
+#include "engines/node_backend.hpp"
+#include "engines/passthrough_backend.hpp"
+#include "group/process_group_hca.hpp"
 #ifdef HCA_WITH_CUDA
 #include "../transport/cuda/peer_links.h"
 #endif

@@ -13,7 +13,7 @@
 #include <cstring>
 #include <thread>
 
-#include "../transport/stream/model_runtime.h"
+#include "../../transport/stream/model_runtime.h"
 #include "stream_call.hpp"
 
 namespace hca {

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "process_group_hca.hpp"
+#include "../group/process_group_hca.hpp"
 
 namespace hca {
 

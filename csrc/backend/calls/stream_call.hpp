@@ -11,8 +11,8 @@
 #include <memory>
 #include <mutex>
 
-#include "../transport/executor.h"
-#include "../transport/stream/device_runtime.h"
+#include "../../transport/executor.h"
+#include "../../transport/stream/device_runtime.h"
 #include "call_args.hpp"
 #include "work_hca.hpp"
 

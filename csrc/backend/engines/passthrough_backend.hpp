@@ -4,10 +4,10 @@
 // the engine as it is.
 #pragma once
 #include <atomic>
-#include "../plan/packing.h"
+#include "../../plan/packing.h"
+#include "../calls/stream_call.hpp"
+#include "../calls/work_hca.hpp"
 #include "engine_backend.hpp"
-#include "stream_call.hpp"
-#include "work_hca.hpp"
 
 namespace hca {
 

@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "process_group_hca.hpp"
+#include "../group/process_group_hca.hpp"
 
 namespace hca {
 

@@ -4,7 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "../../transport/cuda/cuda_runtime.h"
+#include "../../../transport/cuda/cuda_runtime.h"
 #include "../stream_call.hpp"
 
 namespace hca {

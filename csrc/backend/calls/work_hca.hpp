@@ -15,7 +15,7 @@
 #include <mutex>
 #include <thread>
 
-#include "owning_process.hpp"
+#include "../group/owning_process.hpp"
 
 namespace hca {
 

@@ -5,7 +5,7 @@
 
 #include <numeric>
 
-#include "process_group_hca.hpp"
+#include "../group/process_group_hca.hpp"
 
 namespace hca {
 namespace {

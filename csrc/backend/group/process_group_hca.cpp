@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <functional>
 
-#include "../transport/shm/shm_executor.h"
-#include "../transport/stream/host_streams.h"
+#include "../../transport/shm/shm_executor.h"
+#include "../../transport/stream/host_streams.h"
 
 namespace hca {
 namespace {

@@ -2,7 +2,7 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "../transport/rendezvous.h"
+#include "../../transport/rendezvous.h"
 
 namespace hca {
 

@@ -2,7 +2,7 @@
 // returns at once; the mailbox's thread completes the Work.
 #include <c10/util/Exception.h>
 
-#include "process_group_hca.hpp"
+#include "../group/process_group_hca.hpp"
 
 namespace hca {
 namespace {

@@ -4,7 +4,7 @@
 
 #include <optional>
 
-#include "../transport/nccl/passthrough.hpp"
+#include "../../transport/nccl/passthrough.hpp"
 
 namespace hca {
 namespace {

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "../plan/packing.h"
-#include "../transport/executor.h"
+#include "../../plan/packing.h"
+#include "../../transport/executor.h"
 
 namespace hca {
 

@@ -2,9 +2,9 @@
 
 #include <c10/util/Exception.h>
 
-#include "../transport/nccl/passthrough.hpp"
-#include "call_args.hpp"
-#include "stream_call.hpp"
+#include "../../transport/nccl/passthrough.hpp"
+#include "../calls/call_args.hpp"
+#include "../calls/stream_call.hpp"
 
 namespace hca {
 

@@ -11,18 +11,18 @@
 #include <mutex>
 #include <set>
 
-#include "../plan/plan.h"
-#include "../transport/control/control_block.h"
-#include "../transport/cuda/cuda_executor.h"
-#include "../transport/executor.h"
-#include "../transport/shm/mailbox.h"
-#include "call_args.hpp"
-#include "call_record.hpp"
+#include "../../plan/plan.h"
+#include "../../transport/control/control_block.h"
+#include "../../transport/cuda/cuda_executor.h"
+#include "../../transport/executor.h"
+#include "../../transport/shm/mailbox.h"
+#include "../calls/call_args.hpp"
+#include "../calls/call_record.hpp"
+#include "../calls/stream_call.hpp"
+#include "../calls/work_hca.hpp"
 #include "group_life.hpp"
 #include "plan_cache.hpp"
 #include "store_rendezvous.hpp"
-#include "stream_call.hpp"
-#include "work_hca.hpp"
 
 namespace hca {
 

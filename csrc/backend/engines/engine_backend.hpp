@@ -4,8 +4,8 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "call_record.hpp"
-#include "owning_process.hpp"
+#include "../calls/call_record.hpp"
+#include "../group/owning_process.hpp"
 
 namespace hca {
 

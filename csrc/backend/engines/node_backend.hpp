@@ -9,11 +9,11 @@
 #include <atomic>
 #include <map>
 
-#include "../plan/nodes.h"
-#include "call_args.hpp"
+#include "../../plan/nodes.h"
+#include "../calls/call_args.hpp"
+#include "../calls/work_hca.hpp"
+#include "../group/process_group_hca.hpp"
 #include "engine_backend.hpp"
-#include "process_group_hca.hpp"
-#include "work_hca.hpp"
 
 namespace hca {
 

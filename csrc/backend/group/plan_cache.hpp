@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../plan/plan.h"
+#include "../../plan/plan.h"
 
 namespace hca {
 

@@ -2,7 +2,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "call_args.hpp"
+#include "../calls/call_args.hpp"
 
 namespace hca {
 
