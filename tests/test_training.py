@@ -67,12 +67,12 @@ def _train_with_hooks(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_comm_hooks_match_gloo(world):
     """torch's shipped comm hooks, PowerSGD's among them (its future callbacks issue and wait for
-    all-reduces: with c908507's single worker they hung), train as with gloo."""
+    all-reduces: with ed2ce97's single worker thread they hung), train as with gloo."""
     hca = run_ranks(_train_with_hooks, world)
     gloo = run_ranks(_train_with_hooks, world, backend="gloo")
     for hook in hca[0]:
         for a, b in zip(hca[0][hook], gloo[0][hook]):
-            # fp16/bf16 sums of 3 ranks may round in another order than gloo's.
+            # fp16 sums of 3 ranks may round in another order than gloo's.
             torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-3, atol=1e-4, msg=str(hook))
         for a, b in zip(hca[0][hook], hca[-1][hook]):
             assert (a == b).all(), hook  # replicas stay identical

@@ -78,10 +78,6 @@ namespace {
 thread_local const WorkQueueState* completing_queue = nullptr;
 thread_local int completing_thread = -1;
 
-}  // namespace
-
-namespace {
-
 // Named as gloo names its own ("gloo:all_reduce"; the flat forms as the list
 // forms), with hca's prefix.
 const char* profiling_title(c10d::OpType type) {

@@ -41,11 +41,13 @@ void GroupLife::end(bool abort, const std::function<void()>& on_abort, const std
   std::unique_lock<std::mutex> lock(mutex_);
   if (abort && !aborted_ && (state_ == State::Open || state_ == State::Ending)) {
     aborted_ = true;
-    ++inside_;  // teardown waits for it
+    ++inside_;  // held as a call: teardown waits for it
     lock.unlock();
-    on_abort();
+    {
+      const Call held(this);
+      on_abort();
+    }
     lock.lock();
-    if (--inside_ == 0) changed_.notify_all();
   }
   if (state_ != State::Open) {
     changed_.wait(lock, [this] { return state_ == State::Ended; });
@@ -62,12 +64,6 @@ void GroupLife::end(bool abort, const std::function<void()>& on_abort, const std
   lock.lock();
   state_ = State::Ended;
   changed_.notify_all();
-}
-
-const char* GroupLife::ended() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ != State::Ended) return nullptr;
-  return aborted_ ? "aborted" : "shut down";
 }
 
 }  // namespace hca

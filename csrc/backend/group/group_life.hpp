@@ -40,8 +40,6 @@ class GroupLife {
   // ended. Does nothing in a forked child (the parts are the parent's).
   void end(bool abort, const std::function<void()>& on_abort, const std::function<void()>& stop,
            const std::function<void()>& teardown);
-  // "shut down", "aborted", or null while the group has not ended.
-  const char* ended() const;
   const OwningProcess& owner() const { return owner_; }
 
  private:
@@ -49,7 +47,7 @@ class GroupLife {
   void leave();
 
   OwningProcess owner_;
-  mutable std::mutex mutex_;
+  std::mutex mutex_;
   std::condition_variable changed_;
   State state_ = State::Open;
   int inside_ = 0;
