@@ -1,6 +1,7 @@
 """Runs a function on N ranks, each a spawned process in an `hca` (or other) process group."""
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -38,8 +39,11 @@ def nccl_fits(ranks):
     return torch.cuda.device_count() >= ranks or torch.cuda.nccl.version() >= (2, 30, 0)
 
 
-def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results, before_init):
+def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results, before_init,
+           stacks_after_s):
     os.environ.update(env or {})
+    # A rank still running just before the launch's deadline prints where its threads are.
+    faulthandler.dump_traceback_later(stacks_after_s, exit=False)
     try:
         import torch.distributed as dist
 
@@ -62,14 +66,18 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
     """Returns [fn's value on rank 0, ..., rank N-1]; raises RankFailed with the tracebacks
     of failed ranks. `env_per_rank` adds variables rank by rank. Ranks in `allow_missing` may
     end without a result (value None). `before_init(rank)` runs in each rank before the group
-    is created (picklable: a module-level function or a partial of one)."""
+    is created (picklable: a module-level function or a partial of one). HCA_TEST_DEADLINE_S
+    caps the deadline (a GPU session, where a hang must not eat the device call)."""
+    deadline_s = min(deadline_s, float(os.environ.get("HCA_TEST_DEADLINE_S", "inf")))
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         envs = [{**(env or {}), **(env_per_rank[r] if env_per_rank else {})} for r in range(world_size)]
+        stacks_after_s = max(1.0, deadline_s - 5)
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, envs[r], pg_timeout_s,
-                                                  args, results, before_init), daemon=True) for r in range(world_size)]
+                                                  args, results, before_init, stacks_after_s), daemon=True)
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         got, deadline = {}, time.monotonic() + deadline_s

@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
-# A lent GPU session, one device call per phase. Every call gets a bare machine, so every phase
-# builds first (its own, within the call), then does its part, all within 9 minutes; every step
-# runs under `timeout`, capped by what is left of the phase, and is skipped when nothing is left:
-#   bash tools/gpu_session.sh smoke       # machine facts, build, first the 2-rank DDP and FSDP2 training
-#                                         # loops against gloo (with and without set_device), then a
-#                                         # 2-rank allreduce and the probes (gpu_probes.py)
-#   bash tools/gpu_session.sh tests N     # on request: build, then slice N (1-3) of the CUDA tests
-#   bash tools/gpu_session.sh memcheck    # build, then compute-sanitizer memcheck on a small 2-rank allreduce
-#   bash tools/gpu_session.sh bench       # build, then the benchmark on CUDA tensors (JSON + PNG)
-# Logs and results go under $OUT (the device tool's output folder; ./gpu-out elsewhere). Without a
-# GPU every phase still runs (tests skip, the smoke runs on the CPU model): that is its check here.
+# A lent GPU session: one build, then the phases named, in order, within one device call
+# (GPU_SESSION_BUDGET seconds, build included; default 540, a device call ends at 600). Every
+# step runs under `timeout`, capped by what is left, and is skipped when nothing is left:
+#   smoke     machine facts, then a 2- and a 3-rank allreduce checked element by element (gpu_smoke.py)
+#   loops     the 2-rank DDP (with and without set_device) and FSDP2 training loops against gloo
+#   probes    tools/gpu_probes.py (a peer's wait must not stall a kernel; CUDA IPC on one GPU)
+#   tests:N   slice N (1-3) of the tests with `cuda` in their id; tests:FILE one test file's
+#   memcheck  compute-sanitizer memcheck on a small 2-rank allreduce
+#   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
+#   bash tools/gpu_session.sh smoke loops probes tests:test_cuda.py
+# Logs go to $OUT/logs.tar.gz (the device tool brings back 8 files at most), results (JSON, PNG)
+# beside it; $OUT is the device tool's output folder, ./gpu-out elsewhere. Without a GPU every
+# phase still runs (tests skip, the smoke runs on the CPU model): that is its check here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-phase=${1:?usage: gpu_session.sh smoke|tests N|memcheck|bench}
+(( $# )) || { echo "usage: gpu_session.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench)"; exit 2; }
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
 started=$(date +%s)
-BUDGET=540  # seconds a phase may take, build included (a device call ends at 600)
+BUDGET=${GPU_SESSION_BUDGET:-540}
+# A hung launch in the tests gives up (its ranks' stacks printed) well before the device call ends.
+export HCA_TEST_DEADLINE_S=${HCA_TEST_DEADLINE_S:-120} PYTHONUNBUFFERED=1
 
 left() { echo $(( BUDGET - ($(date +%s) - started) )); }
 
@@ -52,55 +58,80 @@ build() {
     nvcc --version
     $PYTHON -c "import torch, torch.distributed as d; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 torch.cuda.is_available() and torch.cuda.get_device_name(0), 'nccl', torch.cuda.nccl.version() if d.is_nccl_available() else None)"
-  } > "$OUT/env.txt" 2>&1
+  } > "$LOGS/env.txt" 2>&1
   local t0
   t0=$(date +%s)
-  if ! bounded 300 env MAX_JOBS="$(nproc)" $PYTHON -m pip install --no-build-isolation -e . > "$OUT/build.log" 2>&1; then
-    tail -60 "$OUT/build.log"
+  if ! bounded 300 env MAX_JOBS="$(nproc)" $PYTHON -m pip install --no-build-isolation -e . > "$LOGS/build.log" 2>&1; then
+    tail -60 "$LOGS/build.log"
     echo "build failed"
-    exit 1
+    return 1
   fi
   echo "build: $(( $(date +%s) - t0 )) s"
   $PYTHON -c "import torch, torch_hca; print('has_cuda', torch_hca._C.has_cuda); \
-assert torch_hca._C.has_cuda or not torch.cuda.is_available(), 'built without CUDA on a GPU machine'" || exit 1
+assert torch_hca._C.has_cuda or not torch.cuda.is_available(), 'built without CUDA on a GPU machine'"
 }
 
-build
-case "$phase" in
-smoke)
-  (cd tests && bounded 240 $PYTHON -m pytest -v -rs -k "$LOOPS" --junitxml "$OUT/junit-loops.xml" \
-    test_in_flight.py 2>&1 | tee "$OUT/loops.log")
-  bounded 120 $PYTHON tools/gpu_smoke.py --world 2 2>&1 | tee "$OUT/smoke.log"
-  if $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    bounded "$(left)" $PYTHON tools/gpu_probes.py --out "$OUT/probes.json" 2>&1 | tee "$OUT/probes.log"
-  else
-    echo "no GPU: probes skipped" | tee "$OUT/probes.log"
-  fi
-  ;;
-tests)
-  n=${2:?tests needs a slice number, 1-${#SLICES[@]}}
-  # -v streams one line per test, so a run cut by the timeout still tells what passed.
-  (cd tests && bounded "$(( $(left) - 10 ))" $PYTHON -m pytest -v -rs -k cuda --durations=15 \
-    --junitxml "$OUT/junit-$n.xml" ${SLICES[$n]} 2>&1 | tee "$OUT/tests-$n.log")
-  ;;
-memcheck)
-  # Every rank (spawned children) under the sanitizer, on a small allreduce; one round keeps it short.
-  if command -v compute-sanitizer >/dev/null; then
-    bounded "$(left)" compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
-      $PYTHON tools/gpu_smoke.py --world 2 --numel 65536 --rounds 1 > "$OUT/memcheck.log" 2>&1
-    echo "compute-sanitizer memcheck: exit $?" | tee -a "$OUT/memcheck.log"
-    tail -5 "$OUT/memcheck.log"
-  else
-    echo "compute-sanitizer not found: memcheck skipped" | tee "$OUT/memcheck.log"
-  fi
-  ;;
-bench)
-  bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --world-sizes 1,2,3,4 --ops allreduce,latency \
-    --latency-world-sizes 1,2,4 --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-  ;;
-*)
-  echo "unknown phase $phase (smoke, tests N, memcheck or bench)"
-  exit 2
-  ;;
-esac
-echo "phase $phase: $(( $(date +%s) - started )) s"
+has_gpu() { $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; }
+
+# run_phase PHASE: one phase; its output goes to the terminal and to a log of its own.
+run_phase() {
+  case "$1" in
+  smoke)
+    local rc=0
+    bounded 90 $PYTHON tools/gpu_smoke.py --world 2 || rc=1
+    bounded 90 $PYTHON tools/gpu_smoke.py --world 3 --numel 3000001 || rc=1
+    return $rc
+    ;;
+  loops)
+    (cd tests && bounded 240 $PYTHON -m pytest -v -rs -k "$LOOPS" --junitxml "$LOGS/junit-loops.xml" test_in_flight.py)
+    ;;
+  probes)
+    if has_gpu; then bounded 120 $PYTHON tools/gpu_probes.py --out "$OUT/probes.json"; else echo "no GPU: probes skipped"; fi
+    ;;
+  tests:*)
+    local what=${1#tests:} selection
+    if [[ $what =~ ^[0-9]+$ ]]; then selection=${SLICES[$what]}; else selection=$what; fi
+    # -v streams one line per test, so a run cut by the timeout still tells what passed.
+    (cd tests && bounded "$(( $(left) - 15 ))" $PYTHON -m pytest -v -rs -k cuda --durations=15 \
+      --junitxml "$LOGS/junit-${what//\//_}.xml" $selection)
+    ;;
+  memcheck)
+    # Every rank (spawned children) under the sanitizer, on a small allreduce; one round keeps it short.
+    if command -v compute-sanitizer >/dev/null; then
+      bounded "$(left)" compute-sanitizer --tool memcheck --target-processes all --error-exitcode 9 \
+        $PYTHON tools/gpu_smoke.py --world 2 --numel 65536 --rounds 1
+      echo "compute-sanitizer memcheck: exit $?"
+    else
+      echo "compute-sanitizer not found: memcheck skipped"
+    fi
+    ;;
+  bench)
+    # shellcheck disable=SC2086
+    bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --out "$OUT" \
+      ${BENCH_ARGS:---world-sizes 1,2,3,4 --ops allreduce,latency --latency-world-sizes 1,2,4}
+    ;;
+  *)
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck bench)"
+    return 2
+    ;;
+  esac
+}
+
+# The logs, packed whatever happens (a phase cut short, a failed build).
+trap 'tar -C "$OUT" -czf "$OUT/logs.tar.gz" logs && rm -rf "$LOGS"' EXIT
+# GPU_SESSION_BUILT=1: the checkout is built already (a check of this script on a developer's machine)
+if [[ ${GPU_SESSION_BUILT:-0} != 1 ]]; then
+  build 2>&1 | tee "$LOGS/build-summary.log"
+  (( PIPESTATUS[0] == 0 )) || exit 1
+fi
+status=0
+for phase in "$@"; do
+  t0=$(date +%s)
+  echo "=== $phase ($(left) s left)"
+  run_phase "$phase" 2>&1 | tee "$LOGS/${phase//[:\/]/_}.log"
+  rc=${PIPESTATUS[0]}
+  (( rc == 0 )) || status=1
+  echo "=== $phase: exit $rc, $(( $(date +%s) - t0 )) s"
+done
+echo "session: $(( $(date +%s) - started )) s"
+exit $status
