@@ -130,11 +130,13 @@ def _first_collective_errors(rank, world):
 
 @needs_cuda
 def test_different_cuda_staging_fails_at_the_first_collective():
-    # The IPC staging is set up at the first CUDA collective: both ranks raise there, naming the
-    # variables, and the group is unusable afterwards (no hang, no collective on mismatched slots).
+    # The IPC staging is set up at the first CUDA collective (the self-test's, which runs first):
+    # both ranks raise there, naming the user's call and the variables, and the group is unusable
+    # afterwards (no hang, no collective on mismatched slots).
     envs = [{}, {"TORCH_HCA_CUDA_CHUNK_BYTES": str(cuda_chunk_bytes({}) // 2)}]
     for first, after in run_ranks(_first_collective_errors, 2, env_per_rank=envs, pg_timeout_s=30):
-        assert "collective #1 allreduce" in first and "TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS" in first, first
+        assert "allreduce, the group's first collective on cuda tensors, failed in the self-test" in first, first
+        assert "TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS" in first, first
         assert "unusable" in after, after
 
 

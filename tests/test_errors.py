@@ -443,6 +443,7 @@ def test_different_stream_staging_fails_at_the_first_collective():
     # too, not pass with rank 1's garbage.
     envs = [STREAMS_ENV, {**STREAMS_ENV, **STAGING_MISMATCHES["chunk size"]}]
     for msg, after, elapsed in run_ranks(_first_allreduce_error, 2, env_per_rank=envs, pg_timeout_s=30):
+        assert "allreduce, the group's first collective on cpu tensors, failed in the self-test" in msg, msg
         assert "self-test hierarchical_copy " in msg and "setting up its executor" in msg, msg
         assert "TORCH_HCA_SHM_CHUNK_BYTES and TORCH_HCA_SHM_SLOTS must be" in msg, msg
         assert "collective #1" in after and "unusable" in after, after

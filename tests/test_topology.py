@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -165,6 +166,53 @@ PEER_RANK_CASES = [
 def test_without_nvml_the_fastest_ranked_cuda_links_count(name, ranks, want):
     for device, peers in want.items():
         assert topology.fastest_peers(device, ranks) == peers, device
+
+
+class _FakeNvml:
+    """pynvml on a machine of `count` GPUs, NVLink between all, where NVML supports no topology
+    query of a GPU with itself (seen on an H200 VM) or none at all (`topology=False`)."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK, NVML_TOPOLOGY_MULTIPLE = 0, 0, 20
+
+    def __init__(self, count, topology=True):
+        self.count, self.topology = count, topology
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUUID(self, h):
+        return f"GPU-{h}".encode()
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        if a == b or not self.topology:
+            raise self.NVMLError("Not Supported")
+        return self.NVML_P2P_STATUS_OK
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        if a == b or not self.topology:
+            raise self.NVMLError("Not Supported")
+        return 10
+
+
+def test_nvml_links_leave_out_the_gpu_itself_and_unsupported_queries_fall_back(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(3))
+    assert topology._nvml_reaches("1") == {"0", "2"}
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(3, topology=False))
+    assert topology._nvml_reaches("1") is None  # CUDA's link ranking decides instead
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert topology._nvml_reaches("1") is None
 
 
 @pytest.mark.parametrize("shared_out", [True, False])

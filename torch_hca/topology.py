@@ -151,9 +151,8 @@ def _gpu_links() -> Optional[GpuLinks]:
     def uuid_of(d):
         return _bare_uuid(torch.cuda.get_device_properties(d).uuid)
 
-    try:
-        reaches = _nvml_reaches(uuid_of(device))
-    except ImportError:  # no NVML binding: CUDA's ranking of the links among the GPUs this process sees
+    reaches = _nvml_reaches(uuid_of(device))
+    if reaches is None:  # NVML cannot tell: CUDA's ranking of the links among the GPUs this process sees
         if not _C.has_cuda:
             return None
         count = torch.cuda.device_count()
@@ -173,18 +172,26 @@ def fastest_peers(device: int, ranks: Dict[tuple, Optional[int]]) -> set:
     return {b for (a, b), r in ranks.items() if a == device and r == best and ranks.get((b, a)) == best}
 
 
-def _nvml_reaches(uuid: str) -> set:
-    """The GPUs NVML sees linked to `uuid` by NVLink or under a common PCIe switch."""
-    import pynvml
-
-    pynvml.nvmlInit()
+def _nvml_reaches(uuid: str) -> Optional[set]:
+    """The other GPUs NVML sees linked to `uuid` by NVLink or under a common PCIe switch; None
+    where NVML cannot tell (no binding, or a query it does not support, as in a virtual machine)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
     try:
         handles = {_bare_uuid(pynvml.nvmlDeviceGetUUID(h)): h
                    for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))}
         mine = handles[uuid]
-        return {other for other, h in handles.items()
-                if pynvml.nvmlDeviceGetP2PStatus(mine, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
-                or pynvml.nvmlDeviceGetTopologyCommonAncestor(mine, h) <= pynvml.NVML_TOPOLOGY_MULTIPLE}
+        return {other for other, h in handles.items() if other != uuid and (
+            pynvml.nvmlDeviceGetP2PStatus(mine, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
+            or pynvml.nvmlDeviceGetTopologyCommonAncestor(mine, h) <= pynvml.NVML_TOPOLOGY_MULTIPLE)}
+    except (pynvml.NVMLError, KeyError):
+        return None
     finally:
         pynvml.nvmlShutdown()
 

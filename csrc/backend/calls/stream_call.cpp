@@ -163,7 +163,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
                                                                  CallArgs args, std::vector<Collective> collectives,
                                                                  std::vector<at::Tensor> outputs, bool async_op,
                                                                  const char* internal_title) {
+  // Made first: it refuses a capturing stream before the self-test would put work on it.
   std::shared_ptr<StreamCall> call = call_streams(args.device())->call(args.device());
+  try {
+    self_test_once(args.device());
+  } catch (const c10::DistBackendError& e) {
+    const std::string first = std::string(args.name()) + ", the group's first collective on " +
+                              c10::DeviceTypeName(args.device().type(), true) + " tensors";
+    C10_THROW_ERROR(DistBackendError, "hca: " + first + ", failed in the self-test that runs before it: " +
+                                          e.what_without_backtrace());
+  }
   auto kept = call->keep(CallTensors{std::move(args), outputs});
   for (auto& c : collectives) {
     c.device = call->device_index();

@@ -234,7 +234,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
     c.internal = internal_title != nullptr;
   }
   if (call_streams(args.device())) {
-    self_test_once(args.device());
     return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op,
                             internal_title);
   }
