@@ -42,7 +42,8 @@ def nccl_fits(ranks):
 def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results, before_init,
            stacks_after_s):
     os.environ.update(env or {})
-    # A rank still running just before the launch's deadline prints where its threads are.
+    # A rank that crashes, or still runs just before the launch's deadline, prints where its threads are.
+    faulthandler.enable()
     faulthandler.dump_traceback_later(stacks_after_s, exit=False)
     try:
         import torch.distributed as dist
@@ -88,15 +89,18 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
             except queue.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
+        ends = []  # each rank's exit code, or "hung" where it had to be killed
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()) if len(got) == world_size else 1.0)
+            ends.append("hung" if p.is_alive() else p.exitcode)
             if p.is_alive():
                 p.kill()
                 p.join()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
     missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
     if errors or missing:
-        raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} (hung or died)" if missing else ""))
+        how = ", ".join(f"rank {r}: " + (ends[r] if ends[r] == "hung" else f"exit code {ends[r]}") for r in missing)
+        raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} ({how})" if missing else ""))
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 

@@ -360,3 +360,29 @@ def test_without_the_self_test_the_injected_corruption_goes_unnoticed():
             {**STREAMS_ENV, "TORCH_HCA_SELF_TEST": "0"}]
     outcomes = [o for o, _ in run_ranks(_first_calls, 2, env_per_rank=envs)]
     assert any("all_reduce" in o[0] for o in outcomes), outcomes
+
+
+def _capture_refused_on_model(rank, world, warmed):
+    """As tests/test_cuda.py's graph-capture case, on the model: a collective on a capturing stream
+    (the group's first, while the self-test is pending, or a later one) is refused before the
+    device is touched, and the group works after the capture."""
+    inputs = [make_input(42, r, 3_000, torch.float32, "SUM") for r in range(world)]
+    if warmed:
+        dist.all_reduce(torch.ones(8))
+    t = inputs[rank].clone()
+    _C._model.use_side_stream(True)
+    _C._model.capture(True)
+    try:
+        message = str(pytest.raises(RuntimeError, dist.all_reduce, t).value)
+    finally:
+        _C._model.capture(False)
+        _C._model.use_side_stream(False)
+    dist.all_reduce(t)
+    return message, mismatch("after the refusal", t, reduce_reference(inputs, "SUM"), world)
+
+
+@pytest.mark.parametrize("world,warmed", [(1, False), (2, False), (3, True)])
+def test_a_capturing_stream_is_refused_before_the_device_is_touched(world, warmed):
+    for message, error in run_ranks(_capture_refused_on_model, world, warmed, env=STREAMS_ENV):
+        assert "hca: collectives cannot be captured in a CUDA graph yet" in message, message
+        assert error is None, error

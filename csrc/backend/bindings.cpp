@@ -299,6 +299,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("side"));
   model.def(
+      "capture", [](bool active) { ModelRuntime::instance().capture(active); }, py::arg("active"),
+      "the calling thread starts (ends) capturing a graph on its current stream, a side stream");
+  model.def(
       "enqueue_copy",
       [](at::Tensor dst, at::Tensor src, double delay_ms) {
         ModelRuntime& rt = ModelRuntime::instance();

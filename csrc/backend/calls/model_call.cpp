@@ -26,8 +26,8 @@ ModelRuntime& model() { return ModelRuntime::instance(); }
 
 class ModelCall final : public StreamCall {
  public:
-  ModelCall(int device, DeviceRuntime::Stream internal)
-      : StreamCall(model(), device, internal, model().current_stream(device)) {}
+  ModelCall(int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller)
+      : StreamCall(model(), device, internal, caller) {}
 
   void on_stream(std::function<void()> fn) const override {
     model().stream_on(device_index(), stream()).issue(std::move(fn));
@@ -87,7 +87,10 @@ class ModelCall final : public StreamCall {
 std::unique_ptr<CallStreams> make_model_call_streams() {
   return std::make_unique<CallStreams>(
       model(), [](const at::Device&) { return model().tensor_device(); },
-      [](int device, DeviceRuntime::Stream internal) { return std::make_shared<ModelCall>(device, internal); });
+      [](int device) { return model().current_stream(device); },
+      [](int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller) {
+        return std::make_shared<ModelCall>(device, internal, caller);
+      });
 }
 
 }  // namespace hca

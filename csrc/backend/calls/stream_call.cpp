@@ -24,9 +24,6 @@ StreamCall::StreamCall(DeviceRuntime& runtime, int device, DeviceRuntime::Stream
                        DeviceRuntime::Stream caller)
     : runtime_(runtime), device_(device), internal_(internal) {
   DeviceGuard guard(runtime_, device_);
-  // Refused here, on the caller's thread, so that the group stays usable.
-  TORCH_CHECK(!runtime_.capturing(caller), "hca: collectives cannot be captured in a CUDA graph yet (the current "
-              "stream of device ", device_, " is capturing)");
   as_backend_error([&] {
     ready_ = runtime_.create_event();
     end_ = runtime_.create_event();
@@ -106,8 +103,12 @@ std::shared_ptr<const CallTensors> StreamCall::keep(CallTensors tensors) const {
   return std::make_shared<const CallTensors>(std::move(tensors));
 }
 
-CallStreams::CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of, MakeCall make)
-    : runtime_(runtime), index_of_(std::move(index_of)), make_(std::move(make)) {}
+CallStreams::CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of,
+                         CallerStream caller_stream, MakeCall make)
+    : runtime_(runtime),
+      index_of_(std::move(index_of)),
+      caller_stream_(std::move(caller_stream)),
+      make_(std::move(make)) {}
 
 CallStreams::~CallStreams() {
   // Work still queued on a stream completes before its resources go.
@@ -123,6 +124,13 @@ CallStreams::~CallStreams() {
 
 std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
   const int index = index_of_(device);
+  const DeviceRuntime::Stream caller = caller_stream_(index);
+  {
+    // Refused on the caller's thread, so that the group stays usable.
+    DeviceGuard guard(runtime_, index);
+    TORCH_CHECK(!runtime_.capturing(caller), "hca: collectives cannot be captured in a CUDA graph yet (the current "
+                "stream of device ", index, " is capturing)");
+  }
   DeviceRuntime::Stream stream = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -133,7 +141,7 @@ std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
     }
     stream = internal;
   }
-  return make_(index, stream);
+  return make_(index, stream, caller);
 }
 
 #ifndef HCA_WITH_CUDA

@@ -27,7 +27,7 @@ struct CallTensors {
 class StreamCall : public DeviceCompletion {
  public:
   // On the caller's thread: marks "inputs ready" on `caller` (the caller's
-  // current stream of `device`); refuses a caller's stream that is capturing a graph.
+  // current stream of `device`).
   StreamCall(DeviceRuntime& runtime, int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller);
   ~StreamCall() override;
 
@@ -82,16 +82,23 @@ class StreamCall : public DeviceCompletion {
 // waiting on a peer holds back everything queued behind it.
 class CallStreams {
  public:
-  using MakeCall = std::function<std::shared_ptr<StreamCall>(int device, DeviceRuntime::Stream internal)>;
-  // `index_of`: the runtime's device index of a tensor device.
-  CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of, MakeCall make);
+  using MakeCall = std::function<std::shared_ptr<StreamCall>(int device, DeviceRuntime::Stream internal,
+                                                              DeviceRuntime::Stream caller)>;
+  using CallerStream = std::function<DeviceRuntime::Stream(int device)>;
+  // `index_of`: the runtime's device index of a tensor device; `caller_stream`:
+  // the calling thread's current stream of a device (torch's current stream).
+  CallStreams(DeviceRuntime& runtime, std::function<int(const at::Device&)> index_of, CallerStream caller_stream,
+              MakeCall make);
   ~CallStreams();
-  // A call on `device` (from the caller's thread: it marks the caller's stream).
+  // A call on `device` (from the caller's thread: it marks the caller's
+  // stream). A caller's stream that is capturing a graph is refused first,
+  // before anything is created or recorded on the device.
   std::shared_ptr<StreamCall> call(const at::Device& device);
 
  private:
   DeviceRuntime& runtime_;
   std::function<int(const at::Device&)> index_of_;
+  CallerStream caller_stream_;
   MakeCall make_;
   std::mutex mutex_;
   std::map<int, DeviceRuntime::Stream> streams_;

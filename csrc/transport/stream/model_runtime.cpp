@@ -13,6 +13,7 @@ namespace hca {
 namespace {
 
 thread_local std::map<int, DeviceRuntime::Stream> current_streams_of_thread;
+thread_local DeviceRuntime::Stream capture_of_thread = nullptr;  // the stream this thread captures on
 
 struct ModelEvent {
   int device;
@@ -124,6 +125,7 @@ HostStream& ModelRuntime::launch_on(Stream stream) {
 }
 
 DeviceRuntime::Stream ModelRuntime::create_stream() {
+  refuse_while_capturing("cudaStreamCreate");
   auto stream = std::make_shared<HostStream>(with_context());
   std::lock_guard<std::mutex> lock(mutex_);
   streams_[stream.get()] = stream;
@@ -131,6 +133,7 @@ DeviceRuntime::Stream ModelRuntime::create_stream() {
 }
 
 void ModelRuntime::destroy_stream(Stream stream) {
+  refuse_while_capturing("cudaStreamDestroy");
   with_context();
   std::shared_ptr<HostStream> last;
   {
@@ -154,14 +157,43 @@ void ModelRuntime::set_current_stream(int device, Stream stream) {
   current_streams_of_thread[device] = stream;
 }
 
-DeviceRuntime::Event ModelRuntime::create_event() { return new ModelEvent{with_context()}; }
+DeviceRuntime::Event ModelRuntime::create_event() {
+  refuse_while_capturing("cudaEventCreate");
+  return new ModelEvent{with_context()};
+}
+
+bool ModelRuntime::capturing(Stream stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return stream && capturing_.count(stream) > 0;
+}
+
+void ModelRuntime::capture(bool active) {
+  Stream stream = current_stream(tensor_device_);
+  if (!stream) cuda_error("cudaStreamBeginCapture", "operation not permitted on the legacy stream");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (active) {
+    capturing_.insert(stream);
+  } else {
+    capturing_.erase(stream);
+  }
+  capture_of_thread = active ? stream : nullptr;
+}
+
+void ModelRuntime::refuse_while_capturing(const char* call) {
+  if (capture_of_thread) {
+    cuda_error(call, "operation not permitted when stream is capturing (the model refuses every device call of "
+                     "a capturing thread)");
+  }
+}
 
 void ModelRuntime::destroy_event(Event event) {
+  refuse_while_capturing("cudaEventDestroy");
   with_context();
   delete static_cast<ModelEvent*>(event);
 }
 
 void ModelRuntime::record(Event event, Stream stream) {
+  refuse_while_capturing("cudaEventRecord");
   HostStream& target = resolve(stream);
   ModelEvent& e = model_event(event);
   if (target.device() != e.device) {
@@ -180,6 +212,7 @@ void ModelRuntime::record(Event event, Stream stream) {
 }
 
 void ModelRuntime::wait(Stream stream, Event event) {
+  refuse_while_capturing("cudaStreamWaitEvent");
   HostStream& waiter = resolve(stream);
   const ModelEvent& e = model_event(event);
   if (!e.stream) return;  // never recorded: nothing to wait for
@@ -187,12 +220,14 @@ void ModelRuntime::wait(Stream stream, Event event) {
 }
 
 bool ModelRuntime::query(Event event) {
+  refuse_while_capturing("cudaEventQuery");
   with_context();
   const ModelEvent& e = model_event(event);
   return !e.stream || e.stream->passed(e.mark);
 }
 
 void ModelRuntime::synchronize(Event event) {
+  refuse_while_capturing("cudaEventSynchronize");
   with_context();
   const ModelEvent& e = model_event(event);
   if (e.stream) e.stream->synchronize(e.mark);

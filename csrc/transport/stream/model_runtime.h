@@ -8,6 +8,9 @@
 // TORCH_HCA_MODEL_EXCLUSIVE=<folder>, a device takes one process's context only
 // (EXCLUSIVE_PROCESS: a second process fails, as cudaErrorDevicesUnavailable).
 // Launching a kernel on a stream of a device that is not current fails, as on CUDA.
+// A thread may capture a graph on its current (side) stream: capturing() says so
+// for that stream, and every other device call from that thread fails meanwhile
+// (stricter than CUDA's global capture mode, which refuses only unsafe calls).
 #pragma once
 #include <map>
 #include <memory>
@@ -44,7 +47,9 @@ class ModelRuntime final : public DeviceRuntime {
   void wait(Stream stream, Event event) override;
   bool query(Event event) override;
   void synchronize(Event event) override;
-  bool capturing(Stream) override { return false; }
+  bool capturing(Stream stream) override;
+  // The calling thread starts (or ends) capturing on its current stream of the tensor device.
+  void capture(bool active);
 
   // The calling thread's current stream of `device` (null: the legacy default
   // stream), what torch's current CUDA stream of that device is.
@@ -67,6 +72,8 @@ class ModelRuntime final : public DeviceRuntime {
   HostStream& legacy(int device);
   static int& current_device_of_thread();
   HostStream& resolve(Stream stream) { return stream_on(with_context(), stream); }
+  // Fails a device call made while the calling thread captures.
+  static void refuse_while_capturing(const char* call);
 
   int devices_ = 1;
   int tensor_device_ = 0;
@@ -76,6 +83,7 @@ class ModelRuntime final : public DeviceRuntime {
   std::vector<int> exclusive_locks_;  // descriptors held for the process's life
   std::map<int, std::unique_ptr<HostStream>> legacy_;
   std::map<HostStream*, std::shared_ptr<HostStream>> streams_;
+  std::set<Stream> capturing_;
 };
 
 }  // namespace hca

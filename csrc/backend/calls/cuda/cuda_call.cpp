@@ -20,8 +20,8 @@ cudaStream_t current_cuda_stream(int device) {
 
 class CudaCall final : public StreamCall {
  public:
-  CudaCall(int device, DeviceRuntime::Stream internal)
-      : StreamCall(cuda::runtime(), device, internal, current_cuda_stream(device)) {}
+  CudaCall(int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller)
+      : StreamCall(cuda::runtime(), device, internal, caller) {}
 
   void on_stream(std::function<void()> fn) const override {
     c10::cuda::CUDAStreamGuard guard(torch_stream(stream(), device_index()));  // the device too
@@ -45,7 +45,10 @@ class CudaCall final : public StreamCall {
 std::unique_ptr<CallStreams> make_cuda_call_streams() {
   return std::make_unique<CallStreams>(
       cuda::runtime(), [](const at::Device& device) { return static_cast<int>(device.index()); },
-      [](int device, DeviceRuntime::Stream internal) { return std::make_shared<CudaCall>(device, internal); });
+      [](int device) -> DeviceRuntime::Stream { return current_cuda_stream(device); },
+      [](int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller) {
+        return std::make_shared<CudaCall>(device, internal, caller);
+      });
 }
 
 }  // namespace hca
