@@ -53,12 +53,27 @@ if with_cuda():
 else:
     extension = CppExtension("torch_hca._C", sources(CPU_FOLDERS), extra_compile_args=CXX_FLAGS, libraries=["rt"])
 
+class BuildExtensionNamingItsTorch(BuildExtension):
+    """torch's build, which also writes the torch it built against beside the extension
+    (torch_hca/built_for_torch.txt): importing the extension under another torch then names both
+    versions, instead of failing on an undefined symbol."""
+
+    def run(self):
+        super().run()
+        for ext in self.extensions:
+            folder = os.path.dirname(self.get_ext_fullpath(ext.name))
+            with open(os.path.join(folder, "built_for_torch.txt"), "w") as f:
+                f.write(torch.__version__ + "\n")
+
+
 setup(
     name="torch_hca",
     version="0.1.0",
     description="TensorFlow's hierarchical-copy cross-device reductions as a PyTorch c10d backend ('hca')",
     packages=["torch_hca"],
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildExtensionNamingItsTorch},
+    # torch 2.14+ loads this for init_process_group("hca") when torch_hca was not imported
+    entry_points={"torch.distributed.backends": ["hca = torch_hca.backend:register"]},
     python_requires=">=3.9",
 )

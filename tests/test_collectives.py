@@ -290,3 +290,54 @@ def _wait_with_a_timeout(rank, world, device):
 @pytest.mark.parametrize("world", [2, 3])
 def test_wait_with_a_timeout_returns_within_it(world, device):
     assert run_ranks(_wait_with_a_timeout, world, device) == [[]] * world
+
+
+PREMUL_CONFIGS = [("hierarchical_copy", dict(num_packs=1)), ("hierarchical_copy", dict(num_packs=2)),
+                  ("reduce_to_one_device", dict())]
+
+
+def _premul_sum(rank, world, device):
+    """PREMUL_SUM (dist._make_nccl_premul_sum, FSDP2's gradient divide with NCCL): each rank's input
+    times the factor, summed; against float64 references."""
+    dev = rank_device(device, rank)
+    premul = dist._make_nccl_premul_sum
+    errors, case = [], 900
+    for algorithm, config in PREMUL_CONFIGS:
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, **config))
+        for dtype in sorted(FLOATS, key=str):
+            for factor in (0.25, 1.0 / world, torch.tensor([0.5], dtype=torch.float64, device=dev)):
+                f = float(factor) if isinstance(factor, torch.Tensor) else factor
+                case += 1
+                name = f"{algorithm} {config} {dtype} factor={f}"
+                inputs = [make_input(case, r, 1003, dtype, "SUM") for r in range(world)]
+                t = inputs[rank].to(dev, copy=True)
+                dist.all_reduce(t, op=premul(factor), group=group)
+                want = sum(x.double() * f for x in inputs).to(dtype)
+                errors.append(mismatch(f"all_reduce {name}", t, want, world))
+                # reduce_scatter: the input stays the caller's, unscaled
+                chunks = [make_input(case + 1000, r, 7 * world, dtype, "SUM") for r in range(world)]
+                inp, out = chunks[rank].to(dev, copy=True), torch.empty(7, dtype=dtype, device=dev)
+                reduce_scatter_single(out, inp, op=premul(factor), group=group)
+                want = sum(x.double() * f for x in chunks)[7 * rank:7 * (rank + 1)].to(dtype)
+                errors.append(mismatch(f"reduce_scatter {name}", out, want, world))
+                errors.append(mismatch(f"reduce_scatter's input {name}", inp, chunks[rank], world))
+        # Two async calls on one tensor: the second scales what the first wrote, in its turn.
+        inputs = [make_input(case + 2000, r, 300_007, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].to(dev, copy=True)
+        works = [dist.all_reduce(t, op=premul(0.5), group=group, async_op=True) for _ in range(2)]
+        for w in works:
+            w.wait()
+        want = (sum(x.double() for x in inputs) * 0.25 * world).float()
+        errors.append(mismatch(f"two async {algorithm} {config}", t, want, world))
+    ints = raises(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), op=premul(2.0)), ValueError)
+    nccl = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl"))
+    passthrough = raises(lambda: dist.all_reduce(torch.ones(4, device=dev), op=premul(2.0), group=nccl), ValueError)
+    return [e for e in errors if e], ints, passthrough
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_premul_sum(world, device):
+    for errors, ints, passthrough in run_ranks(_premul_sum, world, device, env=SMALL_CHUNKS):
+        assert errors == []
+        assert "ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in ints, ints
+        assert "ReduceOp.PREMUL_SUM is not supported" in passthrough, passthrough

@@ -6,6 +6,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch_hca
     dist.init_process_group("hca", init_method=sys.argv[1] if len(sys.argv) > 1 else None,
@@ -47,3 +50,54 @@ def test_tcp_init(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     assert [o.strip() for o, _ in outs] == ["ok 0", "ok 1"]
+
+
+# What torch 2.14+ does for a backend name it does not know: load the registrar that the
+# "torch.distributed.backends" entry point names and call it, without the user importing torch_hca.
+ENTRY_POINT_SCRIPT = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from importlib.metadata import entry_points
+    (hca,) = [ep for ep in entry_points(group="torch.distributed.backends") if ep.name == "hca"]
+    assert "torch_hca" not in sys.modules
+    hca.load()()
+    dist.init_process_group("hca", init_method=sys.argv[1], rank=0, world_size=1)
+    t = torch.arange(10.0)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.arange(10.0)), t
+    dist.destroy_process_group()
+    print(hca.value)
+""")
+
+
+def test_the_entry_point_registers_hca_without_an_import(tmp_path):
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("torch_hca")
+    except PackageNotFoundError:
+        pytest.skip("torch_hca is not installed (pip install --no-build-isolation -e .): no entry points")
+    script = tmp_path / "no_import.py"
+    script.write_text(ENTRY_POINT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), f"file://{tmp_path / 'store'}"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "torch_hca.backend:register", out.stdout
+
+
+def test_an_extension_built_for_another_torch_names_both_versions(tmp_path):
+    from torch_hca.build_check import check_built_torch
+
+    record = tmp_path / "built_for_torch.txt"
+    record.write_text("2.11.0+cu130\n")
+    with pytest.raises(ImportError, match=r"built for torch 2\.11\.0\+cu130, but torch 2\.13\.0\+cpu is running: "
+                                          r"rebuild it against this torch \(pip install --no-build-isolation"):
+        check_built_torch(str(record), running="2.13.0+cpu")
+    check_built_torch(str(record), running="2.11.0")  # another build of the same release: its interface
+    check_built_torch(str(tmp_path / "absent.txt"), running="2.13.0")  # a build older than the record
+
+
+def test_the_build_recorded_the_running_torch():
+    from torch_hca import build_check
+
+    with open(build_check.RECORD) as f:
+        assert f.read().strip() == torch.__version__

@@ -5,7 +5,11 @@
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C  # noqa: F401
+from .build_check import check_built_torch
+
+check_built_torch()  # before the extension loads: another torch's build names both versions
+
+from . import _C  # noqa: F401,E402
 from .backend import BACKEND_NAME, create_backend, node_identity, register
 from .collectives import batch_allreduce, monitored_barrier
 from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce, ReductionToOneDevice

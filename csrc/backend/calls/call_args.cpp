@@ -118,8 +118,34 @@ void CallArgs::append_key(std::string& key, size_t first, size_t count) const {
   }
 }
 
-ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op) const {
+namespace {
+
+bool floating(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
+}  // namespace
+
+ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM && scaled) {
+    for (const auto& d : descs_) {
+      TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",
+                        dtype_name(d.dtype), " (floating dtypes only)");
+    }
+    // torch makes PREMUL_SUM only with this supplement (c10d::makeNCCLPreMulSum), as ProcessGroupNCCL reads it.
+    const auto* factor = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK_VALUE(factor, "hca ", name_, ": ReduceOp.PREMUL_SUM without a factor (make it with "
+                      "torch.distributed._make_nccl_premul_sum(factor))");
+    factor_ = factor->double_factor;
+    if (factor->tensor_factor.defined()) factor_tensor_ = factor->tensor_factor.to(device_);
+    for (size_t i = scaled->first; i < scaled->first + scaled->count; ++i) {
+      // Allocated now, so that the plan addresses them; written in the call's turn.
+      if (scaled->copies) dense_[i] = at::empty_like(dense_[i], at::MemoryFormat::Contiguous);
+    }
+    scaled_ = *scaled;
+    return ReduceOp::Sum;
+  }
   switch (op.op_) {
     case c10d::ReduceOp::SUM: return ReduceOp::Sum;
     case c10d::ReduceOp::PRODUCT: return ReduceOp::Product;
@@ -127,16 +153,28 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op) const {
     case c10d::ReduceOp::MAX: return ReduceOp::Max;
     case c10d::ReduceOp::AVG:
       for (const auto& d : descs_) {
-        const bool floating = d.dtype == DType::F32 || d.dtype == DType::F64 || d.dtype == DType::F16 ||
-                              d.dtype == DType::BF16;
-        TORCH_CHECK_VALUE(floating, "hca ", name_, ": ReduceOp.AVG is not supported for ", dtype_name(d.dtype),
+        TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.AVG is not supported for ", dtype_name(d.dtype),
                           " (floating dtypes only)");
       }
       return ReduceOp::Avg;
     default: {
       const auto index = static_cast<size_t>(op.op_);
       TORCH_CHECK_VALUE(false, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
-                        " is not supported (SUM, AVG, PRODUCT, MIN, MAX)");
+                        " is not supported (SUM, AVG, PRODUCT, MIN, MAX; PREMUL_SUM in all_reduce and "
+                        "reduce_scatter of the hierarchical_copy and reduce_to_one_device algorithms on one node)");
+    }
+  }
+}
+
+void CallArgs::premultiply() const {
+  if (!scaled_) return;
+  for (size_t i = scaled_->first; i < scaled_->first + scaled_->count; ++i) {
+    at::Tensor target = dense_[i];
+    const at::Tensor& source = scaled_->copies ? original_[i] : dense_[i];
+    if (factor_tensor_.defined()) {
+      at::mul_out(target, source, factor_tensor_);
+    } else {
+      at::mul_out(target, source, factor_);
     }
   }
 }
@@ -158,7 +196,8 @@ void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what
 
 void CallArgs::write_back() const {
   for (size_t i = 0; i < original_.size(); ++i) {
-    if (!dense_[i].is_same(original_[i])) original_[i].copy_(dense_[i]);
+    const bool scaled_copy = scaled_ && scaled_->copies && i >= scaled_->first && i < scaled_->first + scaled_->count;
+    if (!scaled_copy && !dense_[i].is_same(original_[i])) original_[i].copy_(dense_[i]);
   }
 }
 

@@ -22,6 +22,14 @@ using MayAlias = std::function<bool(const std::vector<at::Tensor>& tensors, size
 // tensor twice is harmless.
 MayAlias inputs_from(size_t first_input);
 
+// The tensors [first, first + count) of a call that PREMUL_SUM multiplies: in
+// place (an all-reduce's, which take the result), or into new dense tensors
+// (`copies`: inputs that stay the caller's).
+struct Scaled {
+  size_t first, count;
+  bool copies;
+};
+
 class CallArgs {
  public:
   // `tensors` are every tensor the call touches (outputs, then inputs). Two
@@ -40,8 +48,14 @@ class CallArgs {
   std::string text(size_t first, size_t count) const;
   // What identifies tensors [first, first + count) for the plan cache: dtypes and sizes, as bytes.
   void append_key(std::string& key, size_t first, size_t count) const;
-  // The plan's op for `op` on every tensor's dtype, or a ValueError.
-  ReduceOp reduce_op(const c10d::ReduceOp& op) const;
+  // The plan's op for `op` on every tensor's dtype, or a ValueError. With `scaled`
+  // (the tensors it multiplies), PREMUL_SUM (dist._make_nccl_premul_sum) is SUM
+  // over those tensors multiplied by its factor in the call's turn (premultiply()).
+  ReduceOp reduce_op(const c10d::ReduceOp& op, const Scaled* scaled = nullptr);
+  // PREMUL_SUM's multiplication, where reduce_op asked for one: run in the call's
+  // turn (on its stream), after the calls before it, before its collectives.
+  void premultiply() const;
+  bool premultiplies() const { return scaled_.has_value(); }
   // Each of [first, first + count) read and written in place.
   std::vector<TensorSpan> in_place(size_t first, size_t count) const;
   // Checks tensor i against tensor `like`: same dtype, `numel` elements.
@@ -54,6 +68,10 @@ class CallArgs {
   at::Device device_{at::kCPU};
   std::vector<at::Tensor> original_, dense_;
   std::vector<TensorDesc> descs_;
+  // PREMUL_SUM's factor (a number, or a one-element tensor) and the tensors it scales.
+  c10::optional<Scaled> scaled_;
+  double factor_ = 1.0;
+  at::Tensor factor_tensor_;
 };
 
 // The plan's element type for a tensor's dtype, or a TypeError naming it.

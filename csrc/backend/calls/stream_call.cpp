@@ -192,6 +192,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     // The thread running it (the group's worker) on the call's device: never a context on device 0.
     DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();
+    if (kept->args.premultiplies()) call->on_stream([tensors = kept.get()] { tensors->args.premultiply(); });
     for (const auto& c : collectives) {
       try {
         executor.run(c);

@@ -238,6 +238,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                             internal_title);
   }
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {
+    args.premultiply();
     for (const auto& c : collectives) {
       try {
         executor.run(c);
@@ -261,7 +262,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor
                   [&] { return allreduce_sparse(tensors[0], opts); });
   }
   CallArgs args("allreduce", tensors);
-  const ReduceOp op = args.reduce_op(opts.reduceOp);
+  const Scaled in_place{0, tensors.size(), false};
+  const ReduceOp op = args.reduce_op(opts.reduceOp, &in_place);
   std::vector<Collective> cs;
   cs.push_back(cached_collective(
       "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
@@ -397,7 +399,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor&
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
-  const ReduceOp op = args.reduce_op(opts.reduceOp);
+  const Scaled copies_of_inputs{outputs.size(), inputs.size(), true};
+  const ReduceOp op = args.reduce_op(opts.reduceOp, &copies_of_inputs);
   std::vector<Collective> cs;
   for (size_t i = 0; i < inputs.size(); ++i) {
     cs.push_back(reduce_scatter_collective(args, i, outputs.size() + i, op));
