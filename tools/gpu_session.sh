@@ -8,6 +8,8 @@
 #   tests:N   slice N (1-3) of the tests with `cuda` in their id; tests:FILE one test file's
 #   memcheck  compute-sanitizer memcheck on a small 2-rank allreduce
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
+#   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
+#             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes)
 #   bash tools/gpu_session.sh smoke loops probes tests:test_cuda.py
 # Logs go to $OUT/logs.tar.gz (the device tool brings back 8 files at most), results (JSON, PNG)
 # beside it; $OUT is the device tool's output folder, ./gpu-out elsewhere. Without a GPU every
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-(( $# )) || { echo "usage: gpu_session.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench)"; exit 2; }
+(( $# )) || { echo "usage: gpu_session.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench perf)"; exit 2; }
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
@@ -110,8 +112,18 @@ run_phase() {
     bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --out "$OUT" \
       ${BENCH_ARGS:---world-sizes 1,2,3,4 --ops allreduce,latency --latency-world-sizes 1,2,4}
     ;;
+  perf)
+    local chunk rc=0 runs=3
+    for chunk in 1 8 64; do
+      TORCH_HCA_CUDA_CHUNK_BYTES=$((chunk << 20)) bounded "$(( $(left) / runs ))" $PYTHON benchmarks/bench.py \
+        --world-sizes 1,2 --ops allreduce --step 16 --out "$OUT/perf/chunk${chunk}MiB" || rc=1
+      runs=$((runs - 1))
+    done
+    rm -f "$OUT"/perf/*/*.png  # the JSON holds the numbers; the device tool brings back 8 files at most
+    return $rc
+    ;;
   *)
-    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck bench)"
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck bench perf)"
     return 2
     ;;
   esac
