@@ -125,20 +125,15 @@ CallStreams::~CallStreams() {
 std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
   const int index = index_of_(device);
   const DeviceRuntime::Stream caller = caller_stream_(index);
-  {
-    // Refused on the caller's thread, so that the group stays usable.
-    DeviceGuard guard(runtime_, index);
-    TORCH_CHECK(!runtime_.capturing(caller), "hca: collectives cannot be captured in a CUDA graph yet (the current "
-                "stream of device ", index, " is capturing)");
-  }
+  DeviceGuard guard(runtime_, index);
+  // Refused on the caller's thread, so that the group stays usable.
+  TORCH_CHECK(!runtime_.capturing(caller), "hca: collectives cannot be captured in a CUDA graph yet (the current "
+              "stream of device ", index, " is capturing)");
   DeviceRuntime::Stream stream = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& internal = streams_[index];
-    if (!internal) {
-      DeviceGuard guard(runtime_, index);
-      as_backend_error([&] { internal = runtime_.create_stream(); });
-    }
+    if (!internal) as_backend_error([&] { internal = runtime_.create_stream(); });
     stream = internal;
   }
   return make_(index, stream, caller);
