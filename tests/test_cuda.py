@@ -21,16 +21,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def _other_device_is_named(rank, world):
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     opts = dist.AllreduceOptions()
-    try:
-        backend.allreduce([torch.empty(4, device="meta")], opts)
-    except NotImplementedError as e:
-        return str(e)
-    return "no error"
+    return (raises(lambda: backend.allreduce([torch.empty(4, device="meta")], opts), NotImplementedError),
+            raises(lambda: backend.send([torch.empty(4, device="meta")], 1 - rank, 0), NotImplementedError))
 
 
 def test_a_device_without_executor_raises_not_implemented_naming_it():
-    for msg in run_ranks(_other_device_is_named, 2):
-        assert "hca allreduce: tensors on meta are not supported by this build" in msg, msg
+    for collective, message in run_ranks(_other_device_is_named, 2):
+        assert collective.startswith("hca allreduce: tensors on meta are not supported by this build"), collective
+        assert message.startswith("hca send: tensors on meta are not supported by this build"), message
 
 
 def test_build_reports_cuda_support():

@@ -50,6 +50,7 @@ def _kept_after_destroy(rank, world):
     recv = dist.irecv(torch.empty(10), src=(rank - 1) % world, group=group)  # starts the mailbox's thread
     dist.send(torch.ones(10), dst=peer, group=group)
     recv.wait()
+    del recv  # on the model of the device its stream's event keeps that stream (a thread) while it lives
     threads.append(_threads())
     mappings.append(_mappings())
     dist.barrier()  # every rank is done with the group before any destroys it

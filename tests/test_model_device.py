@@ -99,6 +99,36 @@ def test_a_rank_on_its_own_device_never_made_current(world, tmp_path):
         assert device == rank and contexts == [rank], (rank, device, contexts)
 
 
+def _messages_in_stream_order(rank, world):
+    """Each rank sends to the next what a kernel of its own writes 0.15 s later on its current
+    stream (the default one, then a side stream), and drops the send's Work and tensor at once;
+    it receives from the previous rank into a buffer that a kernel it queues after wait() reads.
+    The send must carry what the kernel wrote, the kernel after wait() must read the message."""
+    wrong = []
+    dst, src = (rank + 1) % world, (rank - 1) % world
+    for side in (False, True):
+        model.use_side_stream(side)
+        data = [make_input(20 + side, r, 50_000, torch.float32, "SUM") for r in range(world)]
+        t = torch.zeros(50_000)
+        model.enqueue_copy(t, data[rank], 150)
+        dist.isend(t, dst, tag=side)
+        del t  # neither the tensor nor its Work is kept: hca must keep what it reads
+        got, seen = torch.zeros(50_000), torch.zeros(50_000)
+        dist.irecv(got, src, tag=side).wait()
+        model.enqueue_copy(seen, got, 0)
+        model.synchronize()
+        wrong.append(mismatch(f"message after a kernel (side stream: {side})", seen, data[src], world))
+    model.use_side_stream(False)
+    return [w for w in wrong if w], model.contexts()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_messages_follow_the_callers_stream_on_own_devices(world, tmp_path):
+    for rank, (wrong, contexts) in enumerate(run_ranks(_messages_in_stream_order, world,
+                                                       env_per_rank=own_devices(world, exclusive=str(tmp_path)))):
+        assert wrong == [] and contexts == [rank], (rank, wrong, contexts)
+
+
 def _training_on_own_device(rank, world, loop, set_device):
     """A training loop (DDP's buckets, or FSDP2's prefetched gathers and scatters) by a rank whose
     tensors are on device `rank`, with or without making that device current first."""

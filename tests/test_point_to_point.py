@@ -1,6 +1,8 @@
-"""send, recv (from a rank or any rank), isend/irecv and batch_isend_irecv on CPU tensors: many
-messages in flight, tags received in any order, messages larger than a channel's ring (64 KiB),
-every dtype, against the data each sender made; errors for misfit messages, dead and silent peers."""
+"""send, recv (from a rank or any rank), isend/irecv and batch_isend_irecv: many messages in
+flight, tags received in any order, messages larger than a channel's ring (64 KiB), every dtype,
+against the data each sender made; errors for misfit messages, dead and silent peers. The tests
+taking `device` run on CPU tensors, on the CPU model of the device ("cpu-streams": messages of
+device tensors, staged through the host in stream order) and on CUDA where there is a GPU."""
 import os
 import signal
 import time
@@ -11,48 +13,49 @@ import torch
 import torch.distributed as dist
 
 from harness import raises, run_ranks
-from reference import DTYPES, make_input
+from reference import DTYPES, make_input, rank_device
 
 BIG = 300_001  # float32: 1.2 MB, many trips round a 64 KiB ring
 
 
-def _data(sender, receiver, tag, numel, dtype=torch.float32):
-    return make_input(1000 * sender + 10 * receiver + tag, sender, numel, dtype, "SUM")
+def _data(sender, receiver, tag, numel, dtype=torch.float32, dev="cpu"):
+    return make_input(1000 * sender + 10 * receiver + tag, sender, numel, dtype, "SUM").to(dev)
 
 
 def _wrong(name, got, want):
+    got, want = got.cpu(), want.cpu()
     if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
         bad = (got != want).sum().item() if got.shape == want.shape else "shape"
         return f"{name}: {bad} elements differ"
     return None
 
 
-def _ring_blocking(rank, world):
+def _ring_blocking(rank, world, device):
     """Everyone sends first, then receives: the receiver's mailbox drains early messages, so
     blocking sends larger than the ring do not deadlock."""
-    errors = []
+    dev, errors = rank_device(device, rank), []
     for numel in (1, 1000, BIG):
         dst, src = (rank + 1) % world, (rank - 1) % world
-        dist.send(_data(rank, dst, 0, numel), dst)
-        got = torch.empty(numel)
+        dist.send(_data(rank, dst, 0, numel, dev=dev), dst)
+        got = torch.empty(numel, device=dev)
         dist.recv(got, src)
         errors.append(_wrong(f"ring numel={numel}", got, _data(src, rank, 0, numel)))
     return [e for e in errors if e]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_blocking_ring_of_sends_and_recvs(world):
-    for errors in run_ranks(_ring_blocking, world):
+def test_blocking_ring_of_sends_and_recvs(world, device):
+    for errors in run_ranks(_ring_blocking, world, device):
         assert errors == []
 
 
-def _many_in_flight(rank, world):
+def _many_in_flight(rank, world, device):
     """Every rank sends 4 tagged messages (sizes up to BIG) to every other rank; receivers post
     their irecvs in reverse tag order, all before waiting on any."""
-    sizes = {0: 7, 1: 4096, 2: BIG, 3: 0}
-    sends = [dist.isend(_data(rank, peer, tag, sizes[tag]), peer, tag=tag)
+    dev, sizes = rank_device(device, rank), {0: 7, 1: 4096, 2: BIG, 3: 0}
+    sends = [dist.isend(_data(rank, peer, tag, sizes[tag], dev=dev), peer, tag=tag)
              for peer in range(world) if peer != rank for tag in sizes]
-    bufs = {(peer, tag): torch.full((sizes[tag],), float("nan"))
+    bufs = {(peer, tag): torch.full((sizes[tag],), float("nan"), device=dev)
             for peer in range(world) if peer != rank for tag in reversed(sizes)}
     recvs = [dist.irecv(buf, peer, tag=tag) for (peer, tag), buf in bufs.items()]
     for w in sends + recvs:
@@ -61,19 +64,52 @@ def _many_in_flight(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_many_messages_in_flight_tags_in_any_order(world):
-    for errors in run_ranks(_many_in_flight, world):
+def test_many_messages_in_flight_tags_in_any_order(world, device):
+    for errors in run_ranks(_many_in_flight, world, device):
         assert errors == []
 
 
-def _batch(rank, world):
+def _sizes_in_flight(rank, world, device):
+    """Messages from 1 byte to 64 MiB, all in flight at once to the next rank and from the
+    previous one, received into leaves that require grad (as pipelining's buffers do) and into
+    a strided view."""
+    dev = rank_device(device, rank)
+    nbytes = [1, 3, 65_537, 1 << 20, 64 << 20]
+    dst, src = (rank + 1) % world, (rank - 1) % world
+
+    def message(sender, i, n):
+        dtype = torch.uint8 if n % 4 else torch.float32
+        return _data(sender, (sender + 1) % world, i, n // dtype.itemsize, dtype)
+
+    sends = [dist.isend(message(rank, i, n).to(dev), dst, tag=i) for i, n in enumerate(nbytes)]
+    bufs = []
+    for i, n in enumerate(nbytes):
+        want = message(src, i, n)
+        buf = torch.zeros(want.numel() * (2 if i == 2 else 1), dtype=want.dtype, device=dev)
+        bufs.append((i, buf[::2] if i == 2 else buf, want))
+    for _, buf, _ in bufs:
+        if buf.is_floating_point():
+            buf.requires_grad_()
+    recvs = [dist.irecv(buf, src, tag=i) for i, buf, _ in bufs]
+    for w in recvs + sends:
+        w.wait()
+    return [e for e in (_wrong(f"{nbytes[i]} bytes", buf.detach(), want) for i, buf, want in bufs) if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sizes_from_one_byte_to_64_mib_in_flight(world, device):
+    for errors in run_ranks(_sizes_in_flight, world, device):
+        assert errors == []
+
+
+def _batch(rank, world, device):
     """A pipeline step: batch_isend_irecv to both neighbours, twice, same-pair order kept; then a
     batch whose receive misfits its message. The errors, the count of Works per batch and the misfit's error."""
-    errors, counts = [], []
+    dev, errors, counts = rank_device(device, rank), [], []
     for step in range(2):
         right, left = (rank + 1) % world, (rank - 1) % world
-        out_r, out_l = _data(rank, right, step, BIG), _data(rank, left, step + 10, 513)
-        in_l, in_r = torch.empty(BIG), torch.empty(513)
+        out_r, out_l = _data(rank, right, step, BIG, dev=dev), _data(rank, left, step + 10, 513, dev=dev)
+        in_l, in_r = torch.empty(BIG, device=dev), torch.empty(513, device=dev)
         ops = [dist.P2POp(dist.irecv, in_l, left), dist.P2POp(dist.isend, out_r, right),
                dist.P2POp(dist.irecv, in_r, right), dist.P2POp(dist.isend, out_l, left)]
         works = dist.batch_isend_irecv(ops)
@@ -85,64 +121,130 @@ def _batch(rank, world):
     peer = rank ^ 1
     misfit = None
     if peer < world:  # pairs (0, 1), (2, 3): rank 0 and 2 expect 20 elements, their peers send 10
-        ops = [dist.P2POp(dist.irecv, torch.empty(20 if rank % 2 == 0 else 10), peer),
-               dist.P2POp(dist.isend, _data(rank, peer, 0, 10), peer)]
-        misfit = raises(lambda: [w.wait() for w in dist.batch_isend_irecv(ops)], RuntimeError)
+        ops = [dist.P2POp(dist.irecv, torch.empty(20 if rank % 2 == 0 else 10, device=dev), peer),
+               dist.P2POp(dist.isend, _data(rank, peer, 0, 10, dev=dev), peer)]
+        works = dist.batch_isend_irecv(ops)
+        misfit = raises(works[0].wait, ValueError)
+        works[1].wait()  # before the group goes: the peer's receive needs all of it
     return [e for e in errors if e], counts, misfit
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_batch_isend_irecv_pipeline_step(world):
+def test_batch_isend_irecv_pipeline_step(world, device):
     """As with gloo: a Work per operation (hca does not declare coalescing: one Work per batch
     measured slower, see docs/architecture.md), the misfit failing its receive only."""
-    for rank, (errors, counts, misfit) in enumerate(run_ranks(_batch, world)):
+    for rank, (errors, counts, misfit) in enumerate(run_ranks(_batch, world, device)):
         assert errors == [] and counts == [4, 4], (errors, counts)
         if rank % 2 == 0 and rank + 1 < world:
-            assert f"rank {rank + 1} sent 10 x float32 with tag 0, but this recv expects 20 x float32" in misfit, misfit
+            assert misfit.startswith("hca recv: rank ") and (
+                f"rank {rank + 1} sent 10 x float32 with tag 0, but this recv expects 20 x float32" in misfit), misfit
         elif rank % 2 == 1:
             assert misfit == "UNEXPECTED: no exception", misfit
 
 
-def _any_source(rank, world):
+def _any_source(rank, world, device):
+    dev = rank_device(device, rank)
     if rank != 0:
-        dist.send(_data(rank, 0, 5, 77), 0, tag=5)
+        dist.send(_data(rank, 0, 5, 77, dev=dev), 0, tag=5)
         return None
     got = {}
     for _ in range(world - 1):
-        t = torch.empty(77)
+        t = torch.empty(77, device=dev)
         src = dist.recv(t, tag=5)
         got[src] = _wrong(f"from {src}", t, _data(src, 0, 5, 77))
     return got
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_recv_from_any_source_reports_the_sender(world):
-    got = run_ranks(_any_source, world)[0]
+def test_recv_from_any_source_reports_the_sender(world, device):
+    got = run_ranks(_any_source, world, device)[0]
     assert sorted(got) == list(range(1, world))
     assert all(e is None for e in got.values()), got
 
 
-def _dtypes_and_layouts(rank, world):
-    errors = []
+def _dtypes_and_layouts(rank, world, device):
+    dev, errors = rank_device(device, rank), []
     peer = 1 - rank
     for i, dtype in enumerate(DTYPES):
         want = _data(peer, rank, i, 1000, dtype)
         if rank == 0:
-            dist.send(_data(rank, peer, i, 1000, dtype), peer, tag=i)
-            got = torch.zeros(2000, dtype=dtype)[::2]  # non-contiguous: received into a copy, written back
+            dist.send(_data(rank, peer, i, 1000, dtype, dev), peer, tag=i)
+            got = torch.zeros(2000, dtype=dtype, device=dev)[::2]  # non-contiguous: received into a copy, written back
             dist.recv(got, peer, tag=i)
         else:
-            got = torch.empty(10, 100, dtype=dtype)  # any shape with the same number of elements
+            got = torch.empty(10, 100, dtype=dtype, device=dev)  # any shape with the same number of elements
             dist.recv(got, peer, tag=i)
             got = got.reshape(-1)
-            dist.send(_data(rank, peer, i, 1000, dtype), peer, tag=i)
+            mine = _data(rank, peer, i, 1000, dtype, dev)
+            dist.send(torch.stack([mine, mine], 1)[:, 0], peer, tag=i)  # a strided view sends its elements
         errors.append(_wrong(str(dtype), got, want))
     return [e for e in errors if e]
 
 
-def test_every_dtype_and_non_contiguous_tensors():
-    for errors in run_ranks(_dtypes_and_layouts, 2):
+def test_every_dtype_and_non_contiguous_tensors(device):
+    for errors in run_ranks(_dtypes_and_layouts, 2, device):
         assert errors == []
+
+
+def _pipeline(rank, world, device):
+    """Three steps of a GPipe schedule (torch.distributed.pipelining), one stage per rank, four
+    micro-batches: activations forward and gradients backward go by batch_isend_irecv into
+    buffers that require grad. Each stage's parameters after the steps."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    dev = rank_device(device, rank)
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+              for _ in range(world)]
+    mine = stages[rank].to(dev)
+    schedule = ScheduleGPipe(PipelineStage(mine, rank, world, dev), n_microbatches=4,
+                             loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    optimizer = torch.optim.SGD(mine.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, target = torch.randn(16, 64, generator=g).to(dev), torch.randn(16, 64, generator=g).to(dev)
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == world - 1:
+            schedule.step(target=target)
+        else:
+            schedule.step()
+        optimizer.step()
+    return [p.detach().cpu().numpy() for p in mine.parameters()]  # tensors would travel as shared fds
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_pipeline_schedule_matches_gloo(world, device):
+    got = run_ranks(_pipeline, world, device)
+    want = run_ranks(_pipeline, world, "cpu", backend="gloo")
+    for rank in range(world):
+        for g, w in zip(got[rank], want[rank]):
+            torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(w), rtol=1e-5, atol=1e-6)
+
+
+def _sent_then_destroyed(rank, world, device):
+    """Rank 0 sends 40 MiB (hundreds of trips round the 64 KiB ring), drops the Work and destroys
+    its group at once; rank 1 posts its recv 0.5 s later. A graceful shutdown delivers what it was
+    asked to send (it used to fail the send, and rank 1's recv with it)."""
+    dev, group = rank_device(device, rank), dist.new_group()
+    numel = 10 << 20
+    if rank == 0:
+        dist.isend(_data(0, 1, 0, numel, dev=dev), 1, group=group)
+        start = time.monotonic()
+        dist.destroy_process_group(group)
+        return time.monotonic() - start
+    time.sleep(0.5)
+    got = torch.empty(numel, device=dev)
+    dist.recv(got, 0, group=group)
+    dist.destroy_process_group(group)
+    return _wrong("the message", got, _data(0, 1, 0, numel))
+
+
+def test_a_send_nobody_waited_on_is_delivered_before_its_group_shuts_down(device):
+    seconds, wrong = run_ranks(_sent_then_destroyed, 2, device)
+    assert wrong is None, wrong
+    assert seconds < 10, seconds  # the transfer's time, not the group's timeout
 
 
 def _misfit(rank, world):

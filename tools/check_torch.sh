@@ -13,7 +13,9 @@ venv=${TORCH_HCA_CHECK_VENV:-$HOME/.cache/torch_hca/venv-torch-$version}
 # torch guesses the toolkit from nvcc's folder, which a wrapper in /usr/local/bin makes wrong
 [[ -z ${CUDA_HOME:-} && -d /usr/local/cuda ]] && export CUDA_HOME=/usr/local/cuda
 [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q "torch==$version" -r requirements-dev.txt
+# The machine's pip configuration may cap torch (a constraints file): the check's own environment
+# reads none of it, and the machine stays as it is.
+PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q "torch==$version" -r requirements-dev.txt
 # A copy of the working tree (tracked and new files, not ignored ones): the build must not
 # replace the extension this checkout built against its own torch.
 work=$(mktemp -d)

@@ -168,6 +168,7 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
 
 void CallArgs::premultiply() const {
   if (!scaled_) return;
+  at::NoGradGuard no_grad;  // the backend's own arithmetic: never recorded, whatever the thread's mode
   for (size_t i = scaled_->first; i < scaled_->first + scaled_->count; ++i) {
     at::Tensor target = dense_[i];
     const at::Tensor& source = scaled_->copies ? original_[i] : dense_[i];
@@ -195,6 +196,7 @@ void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what
 }
 
 void CallArgs::write_back() const {
+  at::NoGradGuard no_grad;  // leaves that require grad (pipelining's receive buffers) take it too
   for (size_t i = 0; i < original_.size(); ++i) {
     const bool scaled_copy = scaled_ && scaled_->copies && i >= scaled_->first && i < scaled_->first + scaled_->count;
     if (!scaled_copy && !dense_[i].is_same(original_[i])) original_[i].copy_(dense_[i]);

@@ -30,7 +30,10 @@ class ModelCall final : public StreamCall {
       : StreamCall(model(), device, internal, caller) {}
 
   void on_stream(std::function<void()> fn) const override {
-    model().stream_on(device_index(), stream()).issue(std::move(fn));
+    model().stream_on(device_index(), stream()).issue([fn = std::move(fn)] {
+      at::NoGradGuard no_grad;  // the backend's copies into leaves that require grad
+      fn();
+    });
   }
 
   std::shared_ptr<const CallTensors> keep(CallTensors tensors) const override {
@@ -48,6 +51,12 @@ class ModelCall final : public StreamCall {
       }
     });
   }
+
+  void keep_until_passed(std::shared_ptr<const CallTensors> kept) const override {
+    on_stream([kept = std::move(kept)] {});  // dropped (and poisoned) once the stream ran it
+  }
+
+  at::Tensor host_staging(const at::Tensor& like) const override { return at::empty_like(like); }
 
   std::vector<c10::Device> devices() const override { return {}; }
   // On a faulted device the Future gets the fault, as a CUDA Future's wait raises it.

@@ -72,6 +72,11 @@ bool StreamCall::query() const {
   }
 }
 
+bool StreamCall::passed_end() const {
+  DeviceGuard guard(runtime_, device_);
+  return runtime_.query(end_);
+}
+
 void StreamCall::make_current_stream_wait() const {
   check_fault();
   // The current stream is the device's: a null (legacy default) stream means

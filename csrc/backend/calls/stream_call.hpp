@@ -46,6 +46,17 @@ class StreamCall : public DeviceCompletion {
   void wait_for_end() const;
   // `tensors`, kept by whoever holds the result until the device is done with them.
   virtual std::shared_ptr<const CallTensors> keep(CallTensors tensors) const;
+  // For calls no executor watches (point-to-point): `kept` stays valid until
+  // the stream has passed what was issued so far, without anyone holding it
+  // (CUDA: the caching allocator is told the stream uses it; the model: the
+  // stream drops it in its turn).
+  virtual void keep_until_passed(std::shared_ptr<const CallTensors> kept) const = 0;
+  // Host memory the device copies `like`'s bytes to and from in stream order
+  // (CUDA: pinned, so that the copies are asynchronous).
+  virtual at::Tensor host_staging(const at::Tensor& like) const = 0;
+  // Whether the stream has passed the end (never blocks); throws Failure once
+  // the device faulted, for callers that must not go on with undefined data.
+  bool passed_end() const;
   const std::shared_ptr<Issued>& issued() const { return issued_; }
 
   // A device error makes the call complete, and wait() raise it at once.

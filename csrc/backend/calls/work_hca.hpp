@@ -81,8 +81,10 @@ class WorkHCA : public c10d::Work {
 // reports who sent (dist.recv returns it).
 class PointToPointWork final : public WorkHCA {
  public:
-  PointToPointWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors)
-      : WorkHCA(rank, type, std::move(tensors), nullptr) {}
+  // `device`: the stream copies of a device tensor's message (see WorkHCA).
+  PointToPointWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors,
+                   std::shared_ptr<DeviceCompletion> device = nullptr)
+      : WorkHCA(rank, type, std::move(tensors), nullptr, std::move(device)) {}
   int sourceRank() const override { return source_.load(); }
   void set_source(int rank) { source_.store(rank); }
 

@@ -41,8 +41,10 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   StoreRendezvous rendezvous(store);
   try {
     control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
+    cuda_message_streams_ = make_cuda_call_streams();  // creates streams at its first call only
     if (cpu_executor == CpuExecutor::HostStreams) {
       cpu_call_streams_ = make_model_call_streams();
+      cpu_message_streams_ = make_model_call_streams();
       cpu_executor_ = make_host_stream_executor(*control_, std::make_shared<StoreRendezvous>(store_),
                                                 RingLayout{shm_slot_bytes, shm_slots});
     } else {
@@ -63,6 +65,8 @@ ProcessGroupHCA::~ProcessGroupHCA() {
   // A forked child: the threads, the store and the words of the shared segments
   // are the parent's, still in use; the child leaves them alone.
   leave_in_child(mailbox_);
+  leave_in_child(cuda_message_streams_);
+  leave_in_child(cpu_message_streams_);
   leave_in_child(cuda_executor_);
   leave_in_child(cpu_executor_);
   leave_in_child(cuda_call_streams_);
@@ -81,9 +85,14 @@ void ProcessGroupHCA::end(bool abort) {
       abort,
       // Published first: this rank's waits and streams, on any thread, give up at once.
       [&] { control_->publish_failure(Failure(FailureKind::Aborted, "", getRank(), rank + " aborted its process group")); },
-      [&] { queue_.stop(); },
+      [&] {
+        queue_.stop();
+        if (!abort) mailbox_->finish_sends();  // an abort fails them instead
+      },
       [&] {
         mailbox_.reset();  // fails the messages still pending
+        cuda_message_streams_.reset();
+        cpu_message_streams_.reset();
         cuda_executor_.reset();
         cpu_executor_.reset();
         cuda_call_streams_.reset();

@@ -178,7 +178,15 @@ class ProcessGroupHCA : public c10d::Backend {
   // The group's internal streams for `device`'s tensors, null where its
   // executor runs each collective to the end on the host (shared memory).
   CallStreams* call_streams(const at::Device& device);
+  // The group's streams for messages of `device`'s tensors (apart from the
+  // collectives': a message must not queue behind a collective waiting for a
+  // peer); null where messages go from the host (CPU tensors in shared memory).
+  CallStreams* message_streams(const at::Device& device) {
+    return device.is_cpu() ? cpu_message_streams_.get() : device.is_cuda() ? cuda_message_streams_.get() : nullptr;
+  }
   c10::intrusive_ptr<c10d::Work> post_message(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer, int tag);
+  c10::intrusive_ptr<c10d::Work> post_stream_message(c10d::OpType type, CallStreams& streams, CallArgs args,
+                                                     std::vector<at::Tensor>& tensors, int peer, int tag);
   // allreduce of sparse COO tensors (SUM): gathers every rank's indices and values.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
   // allgather_into_tensor_coalesced, neither counted nor recorded: also a step of hca's own calls.
@@ -239,7 +247,9 @@ class ProcessGroupHCA : public c10d::Backend {
   std::unique_ptr<Executor> cpu_executor_;
   std::unique_ptr<Executor> cuda_executor_;  // made at the first CUDA collective
   std::mutex cuda_executor_mutex_;
-  std::unique_ptr<shm::Mailbox> mailbox_;
+  std::unique_ptr<CallStreams> cpu_message_streams_;  // with the model of the device only
+  std::unique_ptr<CallStreams> cuda_message_streams_;  // null in a build without CUDA
+  std::unique_ptr<shm::Mailbox> mailbox_;  // after them: its callbacks issue on them
   const bool self_test_wanted_ = self_test_wanted();
   std::recursive_mutex self_test_mutex_;  // its own collectives come back through launch()
   std::set<c10::DeviceType> self_tested_;

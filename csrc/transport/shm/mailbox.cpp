@@ -182,7 +182,21 @@ void Mailbox::send(Message message) {
   p->is_send = true;
   p->frame = {kFrameMagic, message.tag, static_cast<uint32_t>(message.dtype), 0, message.bytes};
   p->message = std::move(message);
+  p->message.done = [this, done = std::move(p->message.done)](int peer, std::exception_ptr error) {
+    if (done) done(peer, std::move(error));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--unsent_ == 0) sent_.notify_all();
+  };
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++unsent_;
+  }
   post(std::move(p));
+}
+
+void Mailbox::finish_sends() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  sent_.wait(lock, [&] { return unsent_ == 0; });
 }
 
 void Mailbox::recv(Message message) {
@@ -258,6 +272,7 @@ bool Mailbox::pump_send(int dst) {
   bool moved = false;
   while (!queue.empty()) {
     Pending& p = *queue.front();
+    if (p.sent == 0 && p.message.ready && !p.message.ready()) return moved;
     const size_t total = sizeof(Frame) + p.message.bytes;
     while (p.sent < total) {
       const uint64_t read = ch.read.bytes.load(std::memory_order_acquire);

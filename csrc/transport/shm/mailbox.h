@@ -45,6 +45,11 @@ struct Message {
   // the receive (the channel stays usable), hca::Failure otherwise (the group
   // is unusable afterwards, as after a failed collective).
   std::function<void(int peer, std::exception_ptr error)> done;
+  // A send's bytes may be read once this answers true (asked on the progress
+  // thread; null: at once), e.g. once a device has copied them to `data`. The
+  // sends behind it to the same rank wait too, so a pair's order holds. A
+  // hca::Failure it throws fails the group, as the channel's own failures do.
+  std::function<bool()> ready;
 };
 
 class Mailbox {
@@ -57,6 +62,10 @@ class Mailbox {
 
   void send(Message message);
   void recv(Message message);
+  // Returns once every send posted so far has finished: sent, or failed (its
+  // deadline and the peers' liveness bound the wait). A group that shuts down
+  // gracefully delivers what it was asked to send, even if nobody waited on it.
+  void finish_sends();
 
   // Tests: what a broken or hostile peer could write into its side of every
   // channel (counters, frames, bytes); the peers reading them must not crash.
@@ -94,8 +103,10 @@ class Mailbox {
   size_t ring_bytes_;
   std::unique_ptr<SharedSegment> segment_;
 
-  std::mutex mutex_;  // guards inbox_ and stop_; the rest belongs to the progress thread
+  std::mutex mutex_;  // guards inbox_, stop_ and unsent_; the rest belongs to the progress thread
   std::condition_variable wake_;
+  std::condition_variable sent_;
+  size_t unsent_ = 0;  // sends posted and not finished
   std::vector<std::shared_ptr<Pending>> inbox_;
   bool stop_ = false;
   std::thread thread_;  // started by the first message

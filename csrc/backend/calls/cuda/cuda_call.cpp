@@ -1,6 +1,7 @@
 // StreamCall over CUDA (built only with CUDA): torch's current stream of the
 // device is the caller's; torch ops issued for the call run with the internal
 // stream current; the Future is CUDA-aware (its users' streams wait for it).
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -25,8 +26,25 @@ class CudaCall final : public StreamCall {
 
   void on_stream(std::function<void()> fn) const override {
     c10::cuda::CUDAStreamGuard guard(torch_stream(stream(), device_index()));  // the device too
+    at::NoGradGuard no_grad;  // the backend's copies into leaves that require grad
     fn();
   }
+  void keep_until_passed(std::shared_ptr<const CallTensors> kept) const override {
+    // The host copies' pinned memory is safe already: a non-blocking copy records its use.
+    const auto stream = torch_stream(this->stream(), device_index());
+    auto note = [&](const at::Tensor& t) {
+      if (t.defined() && t.is_cuda() && t.has_storage()) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+      }
+    };
+    for (const auto& t : kept->args.dense()) note(t);
+    for (const auto& t : kept->outputs) note(t);
+  }
+
+  at::Tensor host_staging(const at::Tensor& like) const override {
+    return at::empty(like.sizes(), like.options().device(at::kCPU).pinned_memory(true));
+  }
+
   std::vector<c10::Device> devices() const override {
     return {c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_index()))};
   }
