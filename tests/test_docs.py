@@ -62,8 +62,34 @@ def test_the_readme_options_table_is_torch_hca_options():
         assert row[2] == f"`{field.default!r}`".replace("'", '"'), (row, field.default)
 
 
+def _anchors(path):
+    """The anchors GitHub makes of a Markdown file's headings: lower case, punctuation dropped
+    (but hyphens and underscores), spaces to hyphens."""
+    slugs = set()
+    for heading in re.findall(r"^#+ (.+)$", _read(path), re.M):
+        slugs.add(re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-"))
+    return slugs
+
+
 def test_links_between_the_docs_resolve():
+    """Every relative link names a file that exists, and every #anchor into a Markdown file a
+    heading there (the link itself is checked, not the text around it)."""
     for path in DOCS:
-        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", _read(path)):
-            if not target.startswith("http"):
-                assert os.path.exists(os.path.join(os.path.dirname(path), target)), (path, target)
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", _read(path)):
+            if target.startswith("http"):
+                continue
+            resolved = os.path.join(os.path.dirname(path), target) if target else path
+            assert os.path.exists(resolved), (path, target)
+            if anchor and resolved.endswith(".md"):
+                assert anchor in _anchors(resolved), (path, target, anchor)
+
+
+def test_nothing_points_outside_the_repository_for_the_design():
+    """The design lives in docs/design.md: no file a user gets names a folder they do not have."""
+    tracked = glob.glob(os.path.join(ROOT, "**", "*.*"), recursive=True)
+    for path in tracked:
+        if "/build/" in path or "/.git/" in path or not path.endswith((".md", ".py", ".cpp", ".h", ".hpp", ".sh")):
+            continue
+        text = _read(path)
+        for phrase in ("../" + "shared", "shared " + "design folder", "DESIGN" + ".md"):  # split: not found here
+            assert phrase not in text, (path, phrase)
