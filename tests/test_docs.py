@@ -9,7 +9,8 @@ import torch_hca
 from torch_hca.options import ENV_PREFIX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "results", "README.md")] + sorted(
+    glob.glob(os.path.join(ROOT, "docs", "*.md")))
 VARIABLE = re.compile(r"TORCH_HCA_[A-Z0-9_]*[A-Z0-9]")
 
 
@@ -93,3 +94,21 @@ def test_nothing_points_outside_the_repository_for_the_design():
         text = _read(path)
         for phrase in ("../" + "shared", "shared " + "design folder", "DESIGN" + ".md"):  # split: not found here
             assert phrase not in text, (path, phrase)
+
+
+def test_every_result_file_is_in_the_results_index():
+    """benchmarks/results/README.md lists every file there (brace and * patterns allowed)."""
+    import fnmatch
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    index = _read(os.path.join(results, "README.md"))
+
+    def expand(pattern):
+        m = re.search(r"\{([^}]*)\}", pattern)
+        return [pattern] if not m else [e for alt in m.group(1).split(",")
+                                        for e in expand(pattern[:m.start()] + alt + pattern[m.end():])]
+
+    patterns = [e.rstrip("/") for p in re.findall(r"`([^`]+)`", index) for e in expand(p)]
+    for name in os.listdir(results):
+        if name != "README.md":
+            assert any(fnmatch.fnmatch(name, p) for p in patterns), name
