@@ -219,3 +219,35 @@ def _second_gpu_only(rank, world):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_a_rank_on_another_gpu_creates_no_context_on_gpu_0():
     assert run_ranks(_second_gpu_only, 1) == [0]
+
+
+def _reduced_and_broadcast(rank, world):
+    """All-reduce (fp32 SUM and AVG, bf16 SUM; 1,001 and 3,000,001 elements: several staging
+    rounds) and broadcast, each checked on every element against a float64 reference."""
+    dev, errors = rank_device("cuda", rank), []
+    for case, (numel, dtype, op) in enumerate([(1_001, torch.float32, "SUM"), (3_000_001, torch.float32, "AVG"),
+                                              (3_000_001, torch.bfloat16, "SUM")]):
+        inputs = [make_input(80 + case, r, numel, dtype, op) for r in range(world)]
+        t = inputs[rank].to(dev)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        errors.append(mismatch(f"all_reduce {numel} x {dtype} {op}", t, reduce_reference(inputs, op), world))
+        t = inputs[rank].to(dev)
+        dist.broadcast(t, src=world - 1)
+        errors.append(mismatch(f"broadcast {numel} x {dtype}", t, inputs[world - 1], world))
+    torch.cuda.synchronize()
+    return [e for e in errors if e]
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_staging_gives_the_same_results(world):
+    """TORCH_HCA_CUDA_STAGING=host on one rank only: every rank stages in host shared memory."""
+    envs = [{"TORCH_HCA_CUDA_STAGING": "host"}] + [{}] * (world - 1)
+    assert run_ranks(_reduced_and_broadcast, world, env_per_rank=envs) == [[]] * world
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_one_visible_gpu_per_process_stages_in_host_memory():
+    """The launch SLURM and Kubernetes make: each rank sees only its own GPU, as cuda:0."""
+    envs = [{"CUDA_VISIBLE_DEVICES": str(r)} for r in range(2)]
+    assert run_ranks(_reduced_and_broadcast, 2, env_per_rank=envs) == [[]] * 2

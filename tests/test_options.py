@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import RankFailed, run_ranks
-from torch_hca.options import Options, cuda_slots, shm_chunk_bytes, shm_slots
+from torch_hca.options import Options, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 
 def test_defaults_and_env():
@@ -81,6 +81,23 @@ def test_chunk_bytes_env():
     for bad in ("12", "big"):
         with pytest.raises(ValueError, match="TORCH_HCA_SHM_CHUNK_BYTES"):
             shm_chunk_bytes({"TORCH_HCA_SHM_CHUNK_BYTES": bad})
+
+
+def test_cuda_staging_env():
+    assert cuda_staging({}) == "auto" and cuda_staging({"TORCH_HCA_CUDA_STAGING": " host "}) == "host"
+    for bad in ("ipc", "HOST", "1"):
+        with pytest.raises(ValueError, match="TORCH_HCA_CUDA_STAGING=.*expected 'auto' .* or 'host'"):
+            cuda_staging({"TORCH_HCA_CUDA_STAGING": bad})
+
+
+def _group_made(rank, world):
+    return "made"
+
+
+def test_a_wrong_cuda_staging_fails_at_init_naming_the_variable():
+    """Read when the group is made, like every variable: not at the first CUDA collective."""
+    with pytest.raises(RankFailed, match="TORCH_HCA_CUDA_STAGING='ipc'"):
+        run_ranks(_group_made, 1, env={"TORCH_HCA_CUDA_STAGING": "ipc"})
 
 
 @pytest.mark.parametrize("reader, name", [(shm_slots, "TORCH_HCA_SHM_SLOTS"), (cuda_slots, "TORCH_HCA_CUDA_SLOTS")])

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, topology
-from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
+from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
@@ -88,7 +88,7 @@ def _node_group(store, rank, size, timeout_ms, options):
                                options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
                                shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
-                               cpu_executor=cpu_executor())
+                               cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
     group.hierarchy = topology.describe(cpu, cuda, places)
     return group
 

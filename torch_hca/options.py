@@ -167,6 +167,18 @@ def cuda_slots(environ=None) -> int:
     return _env_int("CUDA_SLOTS", 4, 2, environ, MAX_SLOTS)
 
 
+def cuda_staging(environ=None) -> str:
+    """Where the CUDA staging rings live (TORCH_HCA_CUDA_STAGING): "auto" (default) in GPU memory
+    shared by CUDA IPC where every rank can map every peer's GPU memory, else (one visible GPU per
+    process, GPUs that are not peers) in host shared memory that every GPU maps; "host": in host
+    shared memory always. One rank choosing host memory makes every rank use it."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(ENV_PREFIX + "CUDA_STAGING", "").strip() or "auto"
+    if value not in ("auto", "host"):
+        raise ValueError(f"{ENV_PREFIX}CUDA_STAGING={value!r}: expected 'auto' (the default) or 'host'")
+    return value
+
+
 def cpu_executor(environ=None) -> str:
     """What runs collectives on CPU tensors (TORCH_HCA_CPU_EXECUTOR): "shm" (default, shared
     memory), or "streams": the executor CUDA tensors use, its device operations run by a host

@@ -148,7 +148,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
-                       int cuda_slots, const std::string& cpu_executor, const Groups& cuda_groups) {
+                       int cuda_slots, bool cuda_host_staging, const std::string& cpu_executor,
+                       const Groups& cuda_groups) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
                cpu = CpuExecutor::HostStreams;
@@ -158,12 +159,12 @@ PYBIND11_MODULE(_C, m) {
              }
              return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
                                                          options, shm_slot_bytes, shm_slots,
-                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots}, cpu,
+                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu,
                                                          cuda_groups);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
-           py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
+           py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)

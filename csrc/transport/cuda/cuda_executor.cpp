@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../plan/rounds.h"
+#include "../shm/shm_executor.h"
 #include "../stream/stream_executor.h"
 #include "check.h"
 #include "cuda_runtime.h"
@@ -17,9 +18,10 @@
 namespace hca::cuda {
 namespace {
 
-constexpr uint32_t kProtocol = 1;
+constexpr uint32_t kProtocol = 2;
 
-// What each rank publishes through the store before the ranks map each other.
+// What each rank publishes through the store before the ranks choose where
+// their staging lives.
 struct PeerRecord {
   uint32_t protocol;
   int32_t pid;
@@ -27,7 +29,6 @@ struct PeerRecord {
   char uuid[16];
   uint64_t slot_bytes;
   int32_t slots;
-  cudaIpcMemHandle_t handle;
 };
 
 std::string hostname() {
@@ -60,31 +61,29 @@ int device_with_uuid(const char* uuid) {
 
 [[noreturn]] void setup_failure(const std::string& why) { throw Failure(FailureKind::Setup, "CUDA setup", -1, why); }
 
-// This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
-class IpcStaging {
+// Until every rank has passed `key` (a peer's published setup failure is raised at once).
+void barrier(Rendezvous& rendezvous, int world, const std::string& key, std::chrono::milliseconds timeout) {
+  rendezvous.add(key, 1);
+  await_setup(rendezvous, [&] { return rendezvous.add(key, 0) >= world; }, timeout, "not every rank reached " + key);
+}
+
+// Every rank's staging ring, as this rank's GPU addresses it.
+class Staging {
  public:
-  IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, int device,
-             const CudaConfig& config, std::chrono::milliseconds timeout)
-      : control_(control), rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
-    const size_t bytes = product_bytes(config.slot_bytes, static_cast<size_t>(config.slots), 1, "the CUDA staging");
-    check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
-    bases_[rank] = static_cast<char*>(own_);
-    try {
-      publish_and_map(rendezvous, rank, world, device, config, timeout);
-    } catch (...) {
-      // Peers may have mapped our slots before this rank failed: they fail as well, and close first.
-      close_and_free();
-      throw;
-    }
-  }
+  virtual ~Staging() = default;
+  virtual char* base(int rank) const = 0;
+};
 
-  ~IpcStaging() { close_and_free(); }
-
-  char* base(int rank) const { return bases_[rank]; }
-
- private:
-  void publish_and_map(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
-                       std::chrono::milliseconds timeout) {
+// Where the staging lives, the same on every rank: in GPU memory shared by
+// CUDA IPC where every rank can map every peer's GPU memory (its GPU is
+// visible here and reachable as a peer); else in host shared memory that
+// every GPU maps (one visible GPU per process, as SLURM or Kubernetes launch;
+// or TORCH_HCA_CUDA_STAGING=host). Each rank publishes what it is and whether
+// it reaches every peer; one rank that does not makes every rank stage in host memory.
+class StagingChoice {
+ public:
+  StagingChoice(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
+                std::chrono::milliseconds timeout) {
     PeerRecord mine{};
     mine.protocol = kProtocol;
     mine.pid = static_cast<int32_t>(getpid());
@@ -94,13 +93,84 @@ class IpcStaging {
     std::memcpy(mine.uuid, prop.uuid.bytes, 16);
     mine.slot_bytes = config.slot_bytes;
     mine.slots = config.slots;
-    check(cudaIpcGetMemHandle(&mine.handle, own_), "cudaIpcGetMemHandle");
-    rendezvous.set("hca_cuda/" + std::to_string(rank),
-                   std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
+    rendezvous.set("hca_cuda/" + std::to_string(rank), std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
+    const std::string me = "rank " + std::to_string(rank) + " (cuda:" + std::to_string(device) + ", " +
+                           uuid_text(mine.uuid) + ")";
+    bool reaches_all = !config.host_staging;
     for (int peer = 0; peer < world; ++peer) {
-      if (peer != rank) open_peer(peer, mine, device, timeout);
+      if (peer == rank) continue;
+      const PeerRecord theirs = read_peer(rendezvous, peer, mine, me, timeout);
+      const int local = device_with_uuid(theirs.uuid);
+      int can = local == device ? 1 : 0;
+      if (local >= 0 && local != device) check(cudaDeviceCanAccessPeer(&can, device, local), "cudaDeviceCanAccessPeer");
+      if (!can) reaches_all = false;  // its GPU is hidden here (CUDA_VISIBLE_DEVICES), or not a peer of ours
     }
-    barrier("hca_cuda/opened", timeout);
+    rendezvous.add("hca_cuda/unreachable", reaches_all ? 0 : 1);
+    barrier(rendezvous, world, "hca_cuda/chose", timeout);
+    host_ = rendezvous.add("hca_cuda/unreachable", 0) > 0;
+  }
+
+  // Every rank stages in host shared memory.
+  bool host() const { return host_; }
+
+ private:
+  static PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
+                              std::chrono::milliseconds timeout) {
+    const std::string key = "hca_cuda/" + std::to_string(peer);
+    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
+                "rank " + std::to_string(peer) + " did not publish its CUDA staging");
+    const std::string bytes = rendezvous.get(key);
+    PeerRecord theirs{};
+    if (bytes.size() != sizeof(theirs)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
+    std::memcpy(&theirs, bytes.data(), sizeof(theirs));
+    const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
+    if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
+    if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
+      setup_failure(who + " runs on host '" + theirs.host + "' and " + me + " on '" + mine.host +
+                    "': CUDA staging serves the ranks of one node only");
+    }
+    if (theirs.slot_bytes != mine.slot_bytes || theirs.slots != mine.slots) {
+      setup_failure(who + " and " + me +
+                    " disagree on TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS: they must be the same on every rank");
+    }
+    return theirs;
+  }
+
+  bool host_ = false;
+};
+
+// This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
+class IpcStaging final : public Staging {
+ public:
+  IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, const CudaConfig& config,
+             std::chrono::milliseconds timeout)
+      : control_(control), rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
+    const size_t bytes = product_bytes(config.slot_bytes, static_cast<size_t>(config.slots), 1, "the CUDA staging");
+    check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
+    bases_[rank] = static_cast<char*>(own_);
+    try {
+      publish_and_map(timeout);
+    } catch (...) {
+      // Peers may have mapped our slots before this rank failed: they fail as well, and close first.
+      close_and_free();
+      throw;
+    }
+  }
+
+  ~IpcStaging() override { close_and_free(); }
+
+  char* base(int rank) const override { return bases_[rank]; }
+
+ private:
+  void publish_and_map(std::chrono::milliseconds timeout) {
+    cudaIpcMemHandle_t handle{};
+    check(cudaIpcGetMemHandle(&handle, own_), "cudaIpcGetMemHandle");
+    rendezvous_.set("hca_cuda_ipc/" + std::to_string(rank_),
+                    std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer != rank_) open_peer(peer, timeout);
+    }
+    barrier(rendezvous_, world_, "hca_cuda/opened", timeout);
   }
 
   // Freeing memory that peers still map is undefined: it is freed once every
@@ -120,50 +190,22 @@ class IpcStaging {
     }
   }
 
-  void open_peer(int peer, const PeerRecord& mine, int device, std::chrono::milliseconds timeout) {
-    const std::string key = "hca_cuda/" + std::to_string(peer);
+  void open_peer(int peer, std::chrono::milliseconds timeout) {
+    const std::string key = "hca_cuda_ipc/" + std::to_string(peer);
     await_setup(rendezvous_, [&] { return rendezvous_.has(key); }, timeout,
                 "rank " + std::to_string(peer) + " did not publish its CUDA staging");
     const std::string bytes = rendezvous_.get(key);
-    PeerRecord theirs{};
-    if (bytes.size() != sizeof(theirs)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
-    std::memcpy(&theirs, bytes.data(), sizeof(theirs));
-    const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
-    const std::string me = "rank " + std::to_string(rank_) + " (cuda:" + std::to_string(device) + ", " +
-                           uuid_text(mine.uuid) + ")";
-    if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
-    if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
-      setup_failure(who + " runs on host '" + theirs.host + "' and " + me + " on '" + mine.host +
-                    "': CUDA IPC serves the ranks of one node only");
-    }
-    if (theirs.slot_bytes != mine.slot_bytes || theirs.slots != mine.slots) {
-      setup_failure(who + " and " + me +
-                    " disagree on TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS: they must be the same on every rank");
-    }
-    const int local = device_with_uuid(theirs.uuid);
-    if (local < 0) setup_failure(who + "'s GPU is not visible to " + me + " (CUDA_VISIBLE_DEVICES?)");
-    if (local != device) {
-      int can = 0;
-      check(cudaDeviceCanAccessPeer(&can, device, local), "cudaDeviceCanAccessPeer");
-      if (!can) {
-        setup_failure(me + " cannot reach the memory of " + who + " on cuda:" + std::to_string(local) +
-                      " (no peer access between the two GPUs)");
-      }
-    }
+    cudaIpcMemHandle_t handle{};
+    if (bytes.size() != sizeof(handle)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
+    std::memcpy(&handle, bytes.data(), sizeof(handle));
     void* mapped = nullptr;
-    const cudaError_t err = cudaIpcOpenMemHandle(&mapped, theirs.handle, cudaIpcMemLazyEnablePeerAccess);
+    const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      setup_failure(me + " could not map the staging of " + who + " by CUDA IPC: " + cudaGetErrorString(err));
+      setup_failure("rank " + std::to_string(rank_) + " could not map the staging of rank " + std::to_string(peer) +
+                    " by CUDA IPC: " + cudaGetErrorString(err));
     }
     bases_[peer] = static_cast<char*>(mapped);
-  }
-
-  // Until every rank has passed `key` (a peer's published setup failure is raised at once).
-  void barrier(const std::string& key, std::chrono::milliseconds timeout) {
-    rendezvous_.add(key, 1);
-    await_setup(rendezvous_, [&] { return rendezvous_.add(key, 0) >= world_; }, timeout,
-                "not every rank reached " + key);
   }
 
   ControlBlock& control_;
@@ -172,6 +214,40 @@ class IpcStaging {
   void* own_ = nullptr;
   std::vector<char*> bases_;
 };
+
+// Every rank's ring in one POSIX shared-memory segment, which every rank maps
+// and registers with its GPU: the kernels read and write it over the bus. A
+// peer that dies leaves the memory mapped here (unlike IPC-mapped GPU memory).
+class HostStaging final : public Staging {
+ public:
+  HostStaging(Rendezvous& rendezvous, int rank, int world, const CudaConfig& config, std::chrono::milliseconds timeout)
+      : ring_bytes_(config.slot_bytes * static_cast<size_t>(config.slots)),
+        segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, config.slot_bytes,
+                                      config.slots, timeout)) {
+    check(cudaHostRegister(segment_->data(), segment_->size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
+          "cudaHostRegister of the host staging");
+    void* device = nullptr;
+    check(cudaHostGetDevicePointer(&device, segment_->data(), 0), "cudaHostGetDevicePointer of the host staging");
+    device_base_ = static_cast<char*>(device);
+  }
+  ~HostStaging() override { cudaHostUnregister(segment_->data()); }
+
+  char* base(int rank) const override { return device_base_ + static_cast<size_t>(rank) * ring_bytes_; }
+
+ private:
+  size_t ring_bytes_;
+  std::unique_ptr<SharedSegment> segment_;
+  char* device_base_ = nullptr;
+};
+
+std::unique_ptr<Staging> open_staging(ControlBlock& control, Rendezvous& rendezvous, int device,
+                                      const CudaConfig& config, std::chrono::milliseconds timeout) {
+  const int rank = control.rank(), world = control.world();
+  if (StagingChoice(rendezvous, rank, world, device, config, timeout).host()) {
+    return std::make_unique<HostStaging>(rendezvous, rank, world, config, timeout);
+  }
+  return std::make_unique<IpcStaging>(control, rendezvous, rank, world, config, timeout);
+}
 
 // The control block's pages, visible to the GPU for stream waits and writes.
 class RegisteredControl {
@@ -212,10 +288,10 @@ class CudaDevice final : public StreamDevice {
       : ops_(device),
         registered_(control),
         released_(registered_.failure_words()),
-        staging_(control, rendezvous, control.rank(), control.world(), device, config, timeout) {}
+        staging_(open_staging(control, rendezvous, device, config, timeout)) {}
 
   DeviceRuntime& runtime() override { return cuda::runtime(); }
-  char* staging(int rank) const override { return staging_.base(rank); }
+  char* staging(int rank) const override { return staging_->base(rank); }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     copy_async(cuda(stream), released_, dst, src, bytes);
   }
@@ -239,7 +315,7 @@ class CudaDevice final : public StreamDevice {
   StreamOps ops_;
   RegisteredControl registered_;
   ReleaseWords released_;
-  IpcStaging staging_;
+  std::unique_ptr<Staging> staging_;
 };
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The stream executor (stream/stream_executor.h) over CUDA: per-rank staging
-// slots in raw cudaMalloc memory shared through CUDA IPC, copies and reduce
+// slots in raw cudaMalloc memory shared through CUDA IPC (or, where a rank
+// cannot map a peer's GPU memory, in host shared memory), copies and reduce
 // kernels on the collective's stream, and ranks ordered by stream memory
 // operations on their progress words in the node's control block (registered
 // with the GPU): no kernel ever waits for another process, so several ranks may
@@ -17,10 +18,13 @@ namespace hca::cuda {
 struct CudaConfig {
   size_t slot_bytes = 8u << 20;  // TORCH_HCA_CUDA_CHUNK_BYTES
   int slots = 4;                 // TORCH_HCA_CUDA_SLOTS: the ring
+  // TORCH_HCA_CUDA_STAGING=host: stage in host shared memory even where the
+  // GPUs could map each other's memory (one rank saying so is enough).
+  bool host_staging = false;
 };
 
-// Nothing touches the GPU until the first collective, which sets up the
-// staging and the IPC mappings on the collective's device (every rank takes part).
+// Nothing touches the GPU until the first collective, which chooses and sets
+// up the staging on the collective's device (every rank takes part).
 std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                              CudaConfig config);
 
