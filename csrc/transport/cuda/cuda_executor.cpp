@@ -67,6 +67,19 @@ void barrier(Rendezvous& rendezvous, int world, const std::string& key, std::chr
   await_setup(rendezvous, [&] { return rendezvous.add(key, 0) >= world; }, timeout, "not every rank reached " + key);
 }
 
+// The fixed-size record `peer` published under `prefix` + its rank.
+template <class Record>
+Record await_record(Rendezvous& rendezvous, const std::string& prefix, int peer, std::chrono::milliseconds timeout) {
+  const std::string key = prefix + std::to_string(peer);
+  await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
+              "rank " + std::to_string(peer) + " did not publish its CUDA staging");
+  const std::string bytes = rendezvous.get(key);
+  Record record{};
+  if (bytes.size() != sizeof(record)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
+  std::memcpy(&record, bytes.data(), sizeof(record));
+  return record;
+}
+
 // Every rank's staging ring, as this rank's GPU addresses it.
 class Staging {
  public:
@@ -116,13 +129,7 @@ class StagingChoice {
  private:
   static PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
                               std::chrono::milliseconds timeout) {
-    const std::string key = "hca_cuda/" + std::to_string(peer);
-    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
-                "rank " + std::to_string(peer) + " did not publish its CUDA staging");
-    const std::string bytes = rendezvous.get(key);
-    PeerRecord theirs{};
-    if (bytes.size() != sizeof(theirs)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
-    std::memcpy(&theirs, bytes.data(), sizeof(theirs));
+    const auto theirs = await_record<PeerRecord>(rendezvous, "hca_cuda/", peer, timeout);
     const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
     if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
     if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
@@ -191,13 +198,7 @@ class IpcStaging final : public Staging {
   }
 
   void open_peer(int peer, std::chrono::milliseconds timeout) {
-    const std::string key = "hca_cuda_ipc/" + std::to_string(peer);
-    await_setup(rendezvous_, [&] { return rendezvous_.has(key); }, timeout,
-                "rank " + std::to_string(peer) + " did not publish its CUDA staging");
-    const std::string bytes = rendezvous_.get(key);
-    cudaIpcMemHandle_t handle{};
-    if (bytes.size() != sizeof(handle)) setup_failure("rank " + std::to_string(peer) + " runs another torch_hca build");
-    std::memcpy(&handle, bytes.data(), sizeof(handle));
+    const auto handle = await_record<cudaIpcMemHandle_t>(rendezvous_, "hca_cuda_ipc/", peer, timeout);
     void* mapped = nullptr;
     const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
