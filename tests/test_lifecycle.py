@@ -3,6 +3,7 @@ destroy_process_group lets go of everything), and children forked after init."""
 import json
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -250,3 +251,45 @@ def test_a_group_ended_while_another_thread_is_inside_a_call(how, world):
             if outcome["error"] is not None:
                 assert any(word in outcome["error"] for word in ("abort", "shut down", "left")), outcome
             assert "aborted" in outcome["later"] or "shut down" in outcome["later"], outcome
+
+
+def _ended_from_its_own_callback(rank, world, how, kind):
+    """A Future's callback ends its own group (shutdown, abort, destroy_process_group) on the
+    thread that completed the Future: the group's worker (a collective) or its message thread (a
+    receive). Rank 1 joins 0.3 s late, so that rank 0's callback is attached before completion.
+    What the callback's end did, whether it ran off the main thread, and what a later call raises."""
+    group = dist.new_group()
+    backend = group._get_backend(torch.device("cpu"))
+    seen = []
+
+    def end(_):
+        seen.append(threading.current_thread() is not threading.main_thread())
+        ends = {"shutdown": backend.shutdown, "abort": backend.abort,
+                "destroy": lambda: dist.destroy_process_group(group)}
+        seen.append(raises(ends[how], Exception))
+
+    if rank == 1:
+        time.sleep(0.3)
+    if kind == "collective":
+        fut = dist.all_reduce(torch.ones(1 << 20), group=group, async_op=True).get_future()
+    elif rank == 0:
+        fut = dist.irecv(torch.empty(1000), 1, group=group).get_future()
+    else:
+        dist.send(torch.ones(1000), 0, group=group)
+        dist.barrier()
+        return None
+    fut.then(end).wait()
+    later = raises(lambda: backend.allreduce([torch.ones(4)]).wait(), dist.DistBackendError)
+    dist.barrier()
+    return seen, later
+
+
+@pytest.mark.parametrize("kind, how", [("collective", "shutdown"), ("collective", "abort"), ("collective", "destroy"),
+                                       ("message", "shutdown"), ("message", "destroy")])
+def test_a_group_ended_from_its_own_future_callback(kind, how):
+    """It used to abort the process (a thread joining itself)."""
+    results = run_ranks(_ended_from_its_own_callback, 2, how, kind)
+    off_main, outcome = results[0][0]
+    later = results[0][1]
+    assert off_main and outcome == "UNEXPECTED: no exception", results[0]
+    assert "shut down" in later or "aborted" in later, later

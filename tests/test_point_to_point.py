@@ -367,6 +367,8 @@ def _pending_at_destroy(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_messages_pending_at_destroy_fail_instead_of_hanging(world):
-    for messages, elapsed in run_ranks(_pending_at_destroy, world):
-        assert messages == ["the process group was destroyed first"], messages
+    for rank, (messages, elapsed) in enumerate(run_ranks(_pending_at_destroy, world)):
+        # Its own destroy, or (a rank slower to destroy) the peer's leaving, noticed first.
+        peer_left = f"rank {(rank + 1) % world} left: its process group was shut down"
+        assert all(m == "the process group was destroyed first" or m.startswith(peer_left) for m in messages), messages
         assert elapsed < 10, elapsed

@@ -30,7 +30,7 @@ void poll_briefly(Done done) {
 // thread that completed it, outside the collective's lock; a callback on the runner that
 // issues a collective (PowerSGD's DDP hook waits for the one it issues) first hands the
 // runner's role to a spare thread, or it would wait for itself.
-class WorkQueueState {
+class WorkQueueState : public std::enable_shared_from_this<WorkQueueState> {
  public:
   // Starts the first runner.
   void start();
@@ -39,6 +39,9 @@ class WorkQueueState {
   // Runs `work` on this thread if it is next and the runner is idle; false if not.
   bool run_if_next(const WorkHCA& work);
   // Runs what is queued, joins every thread; returns once no waiter runs a Work it took.
+  // From a callback of one of its Works on its own thread (a group ended from its
+  // Future's callback): another thread runs what is queued, and this one ends
+  // once its callbacks return.
   void stop();
 
  private:
@@ -77,6 +80,8 @@ namespace {
 // Set on a thread while it runs the callbacks of a Work it took as the runner of a queue.
 thread_local const WorkQueueState* completing_queue = nullptr;
 thread_local int completing_thread = -1;
+// Set when a callback on that thread stopped its queue (its completion is then no longer awaited).
+thread_local bool stopped_by_callback = false;
 
 // Named as gloo names its own ("gloo:all_reduce"; the flat forms as the list
 // forms), with hca's prefix.
@@ -205,7 +210,7 @@ void WorkQueueState::hand_off() {
     return;
   }
   runner_ = static_cast<int>(threads_.size());
-  threads_.emplace_back([this, me = runner_] { loop(me); });
+  threads_.emplace_back([self = shared_from_this(), me = runner_] { self->loop(me); });
 }
 
 bool WorkQueueState::run_if_next(const WorkHCA& work) {
@@ -271,7 +276,11 @@ void WorkQueueState::loop(int me) {
     completing_queue = nullptr;
     work.reset();  // its last reference may go here: not under mutex_
     lock.lock();
-    if (--completing_ == 0 && stop_) ready_.notify_all();
+    if (stopped_by_callback) {
+      stopped_by_callback = false;  // stop() counted it out already
+    } else if (--completing_ == 0 && stop_) {
+      ready_.notify_all();
+    }
   }
 }
 
@@ -294,14 +303,22 @@ void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {
 
 void WorkQueueState::start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  threads_.emplace_back([this] { loop(0); });
+  threads_.emplace_back([self = shared_from_this()] { self->loop(0); });  // kept alive by its threads
 }
 
 void WorkQueueState::stop() {
+  const bool from_callback = completing_queue == this;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stop_) return;
     stop_ = true;
+    if (from_callback) {
+      // Its callbacks are not awaited (they are what stops the queue), and if
+      // it runs the queue, another thread runs what is queued.
+      stopped_by_callback = true;
+      if (--completing_ == 0) ready_.notify_all();
+      if (completing_thread == runner_) hand_off();
+    }
   }
   ready_.notify_all();
   parked_ready_.notify_all();
@@ -317,7 +334,11 @@ void WorkQueueState::stop() {
       thread = std::move(threads_.back());
       threads_.pop_back();
     }
-    thread.join();
+    if (thread.get_id() == std::this_thread::get_id()) {
+      thread.detach();  // this callback's thread: it ends when the callback returns
+    } else {
+      thread.join();
+    }
   }
   std::lock_guard<std::mutex> running(running_);  // a waiter that took the last Work has run it
 }

@@ -87,10 +87,16 @@ void ProcessGroupHCA::end(bool abort) {
       [&] { control_->publish_failure(Failure(FailureKind::Aborted, "", getRank(), rank + " aborted its process group")); },
       [&] {
         queue_.stop();
-        if (!abort) mailbox_->finish_sends();  // an abort fails them instead
+        // An abort fails them instead; so does an end from a message's callback,
+        // whose thread is the one that would send them.
+        if (!abort && !mailbox_->on_progress_thread()) mailbox_->finish_sends();
       },
       [&] {
-        mailbox_.reset();  // fails the messages still pending
+        if (mailbox_->on_progress_thread()) {
+          shm::Mailbox::end_from_progress_thread(std::move(mailbox_));  // a message's callback ended the group
+        } else {
+          mailbox_.reset();  // fails the messages still pending
+        }
         cuda_message_streams_.reset();
         cpu_message_streams_.reset();
         cuda_executor_.reset();

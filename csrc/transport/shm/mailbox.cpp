@@ -139,6 +139,16 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
       "every rank must run the same torch_hca build");
 }
 
+void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
+  {
+    std::lock_guard<std::mutex> lock(mailbox->mutex_);
+    mailbox->stop_ = true;
+    mailbox->owned_by_thread_ = true;
+  }
+  mailbox->thread_.detach();
+  mailbox.release();  // deleted by its thread, at the end of loop()
+}
+
 Mailbox::~Mailbox() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -458,6 +468,12 @@ void Mailbox::loop() {
     }
   }
   fail_everything(destroyed());
+  bool owned;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    owned = owned_by_thread_;
+  }
+  if (owned) delete this;  // the destructor fails what was posted since, and joins no thread
 }
 
 }  // namespace hca::shm

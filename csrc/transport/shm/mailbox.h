@@ -71,6 +71,13 @@ class Mailbox {
   // channel (counters, frames, bytes); the peers reading them must not crash.
   void scribble_for_test(uint64_t seed);
 
+  // Whether the calling thread is the progress thread (a message's callback).
+  bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Ends `mailbox` from its own progress thread (a callback that shuts the
+  // group down), which cannot join itself: the thread fails what is pending
+  // once the callback returns, then frees the mailbox.
+  static void end_from_progress_thread(std::unique_ptr<Mailbox> mailbox);
+
  private:
   struct Channel;
   struct Pending;
@@ -109,6 +116,7 @@ class Mailbox {
   size_t unsent_ = 0;  // sends posted and not finished
   std::vector<std::shared_ptr<Pending>> inbox_;
   bool stop_ = false;
+  bool owned_by_thread_ = false;  // end_from_progress_thread: the thread deletes it
   std::thread thread_;  // started by the first message
 
   std::vector<std::deque<std::shared_ptr<Pending>>> outgoing_;  // sends in order, per destination
