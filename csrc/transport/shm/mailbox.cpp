@@ -140,10 +140,10 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
 }
 
 void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
+  mailbox->owned_by_thread_ = true;  // first: the thread may look at it as soon as the callback returns
   {
     std::lock_guard<std::mutex> lock(mailbox->mutex_);
     mailbox->stop_ = true;
-    mailbox->owned_by_thread_ = true;
   }
   mailbox->thread_.detach();
   mailbox.release();  // deleted by its thread, at the end of loop()
@@ -436,18 +436,18 @@ void Mailbox::loop() {
           moved = pump_send(peer) || moved;
           moved = pump_recv(peer) || moved;
         }
-        if (now > next_check) {
+        if (now > next_check && !owned_by_thread_) {
           check_deadlines();
           next_check = now + kCheckEvery;
         }
       }
     } catch (const Failure& failure) {
-      control_.publish_failure(failure);
+      if (!owned_by_thread_) control_.publish_failure(failure);
       fail_everything(std::current_exception());
     } catch (const std::exception& e) {  // e.g. no memory to keep an early message in
       const Failure failure(FailureKind::Unusable, "point-to-point", -1,
                             std::string("the point-to-point progress thread failed: ") + e.what());
-      control_.publish_failure(failure);
+      if (!owned_by_thread_) control_.publish_failure(failure);
       fail_everything(std::make_exception_ptr(failure));
     }
     if (moved) {
@@ -468,12 +468,7 @@ void Mailbox::loop() {
     }
   }
   fail_everything(destroyed());
-  bool owned;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    owned = owned_by_thread_;
-  }
-  if (owned) delete this;  // the destructor fails what was posted since, and joins no thread
+  if (owned_by_thread_) delete this;  // the destructor fails what was posted since, and joins no thread
 }
 
 }  // namespace hca::shm

@@ -15,6 +15,7 @@
 // Sends and receives are independent of the
 // collective queue, as in gloo.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -116,7 +117,9 @@ class Mailbox {
   size_t unsent_ = 0;  // sends posted and not finished
   std::vector<std::shared_ptr<Pending>> inbox_;
   bool stop_ = false;
-  bool owned_by_thread_ = false;  // end_from_progress_thread: the thread deletes it
+  // end_from_progress_thread: the thread deletes it, and the control block may
+  // be gone with the group (a callback ended it): never touched again.
+  std::atomic<bool> owned_by_thread_{false};
   std::thread thread_;  // started by the first message
 
   std::vector<std::deque<std::shared_ptr<Pending>>> outgoing_;  // sends in order, per destination
