@@ -39,11 +39,9 @@ class ModelCall final : public StreamCall {
   std::shared_ptr<const CallTensors> keep(CallTensors tensors) const override {
     return std::shared_ptr<const CallTensors>(new CallTensors(std::move(tensors)), [](const CallTensors* kept) {
       std::vector<c10::Storage> storages;
-      auto note = [&](const at::Tensor& t) {
+      kept->each([&](const at::Tensor& t) {
         if (t.defined() && t.has_storage()) storages.push_back(t.storage());
-      };
-      for (const auto& t : kept->args.dense()) note(t);
-      for (const auto& t : kept->outputs) note(t);
+      });
       delete kept;
       for (auto& s : storages) {
         // Our reference is the last: the memory is being freed.

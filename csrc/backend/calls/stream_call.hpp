@@ -22,6 +22,13 @@ namespace hca {
 struct CallTensors {
   CallArgs args;
   std::vector<at::Tensor> outputs;
+
+  // `fn` on every tensor the device touches: the dense arguments, then the outputs.
+  template <class Fn>
+  void each(Fn fn) const {
+    for (const auto& t : args.dense()) fn(t);
+    for (const auto& t : outputs) fn(t);
+  }
 };
 
 class StreamCall : public DeviceCompletion {

@@ -87,64 +87,56 @@ class Staging {
   virtual char* base(int rank) const = 0;
 };
 
+// Checks `peer`'s record against this rank's (one node, one build, the same staging sizes).
+PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
+                     std::chrono::milliseconds timeout) {
+  const auto theirs = await_record<PeerRecord>(rendezvous, "hca_cuda/", peer, timeout);
+  const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
+  if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
+  if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
+    setup_failure(who + " runs on host '" + theirs.host + "' and " + me + " on '" + mine.host +
+                  "': CUDA staging serves the ranks of one node only");
+  }
+  if (theirs.slot_bytes != mine.slot_bytes || theirs.slots != mine.slots) {
+    setup_failure(who + " and " + me +
+                  " disagree on TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS: they must be the same on every rank");
+  }
+  return theirs;
+}
+
 // Where the staging lives, the same on every rank: in GPU memory shared by
 // CUDA IPC where every rank can map every peer's GPU memory (its GPU is
-// visible here and reachable as a peer); else in host shared memory that
+// visible here and reachable as a peer); else (true) in host shared memory that
 // every GPU maps (one visible GPU per process, as SLURM or Kubernetes launch;
 // or TORCH_HCA_CUDA_STAGING=host). Each rank publishes what it is and whether
 // it reaches every peer; one rank that does not makes every rank stage in host memory.
-class StagingChoice {
- public:
-  StagingChoice(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
-                std::chrono::milliseconds timeout) {
-    PeerRecord mine{};
-    mine.protocol = kProtocol;
-    mine.pid = static_cast<int32_t>(getpid());
-    std::strncpy(mine.host, hostname().c_str(), sizeof(mine.host) - 1);
-    cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
-    std::memcpy(mine.uuid, prop.uuid.bytes, 16);
-    mine.slot_bytes = config.slot_bytes;
-    mine.slots = config.slots;
-    rendezvous.set("hca_cuda/" + std::to_string(rank), std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
-    const std::string me = "rank " + std::to_string(rank) + " (cuda:" + std::to_string(device) + ", " +
-                           uuid_text(mine.uuid) + ")";
-    bool reaches_all = !config.host_staging;
-    for (int peer = 0; peer < world; ++peer) {
-      if (peer == rank) continue;
-      const PeerRecord theirs = read_peer(rendezvous, peer, mine, me, timeout);
-      const int local = device_with_uuid(theirs.uuid);
-      int can = local == device ? 1 : 0;
-      if (local >= 0 && local != device) check(cudaDeviceCanAccessPeer(&can, device, local), "cudaDeviceCanAccessPeer");
-      if (!can) reaches_all = false;  // its GPU is hidden here (CUDA_VISIBLE_DEVICES), or not a peer of ours
-    }
-    rendezvous.add("hca_cuda/unreachable", reaches_all ? 0 : 1);
-    barrier(rendezvous, world, "hca_cuda/chose", timeout);
-    host_ = rendezvous.add("hca_cuda/unreachable", 0) > 0;
+bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
+                          std::chrono::milliseconds timeout) {
+  PeerRecord mine{};
+  mine.protocol = kProtocol;
+  mine.pid = static_cast<int32_t>(getpid());
+  std::strncpy(mine.host, hostname().c_str(), sizeof(mine.host) - 1);
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  std::memcpy(mine.uuid, prop.uuid.bytes, 16);
+  mine.slot_bytes = config.slot_bytes;
+  mine.slots = config.slots;
+  rendezvous.set("hca_cuda/" + std::to_string(rank), std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
+  const std::string me = "rank " + std::to_string(rank) + " (cuda:" + std::to_string(device) + ", " +
+                         uuid_text(mine.uuid) + ")";
+  bool reaches_all = !config.host_staging;
+  for (int peer = 0; peer < world; ++peer) {
+    if (peer == rank) continue;
+    const PeerRecord theirs = read_peer(rendezvous, peer, mine, me, timeout);
+    const int local = device_with_uuid(theirs.uuid);
+    int can = local == device ? 1 : 0;
+    if (local >= 0 && local != device) check(cudaDeviceCanAccessPeer(&can, device, local), "cudaDeviceCanAccessPeer");
+    if (!can) reaches_all = false;  // its GPU is hidden here (CUDA_VISIBLE_DEVICES), or not a peer of ours
   }
-
-  // Every rank stages in host shared memory.
-  bool host() const { return host_; }
-
- private:
-  static PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
-                              std::chrono::milliseconds timeout) {
-    const auto theirs = await_record<PeerRecord>(rendezvous, "hca_cuda/", peer, timeout);
-    const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
-    if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
-    if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
-      setup_failure(who + " runs on host '" + theirs.host + "' and " + me + " on '" + mine.host +
-                    "': CUDA staging serves the ranks of one node only");
-    }
-    if (theirs.slot_bytes != mine.slot_bytes || theirs.slots != mine.slots) {
-      setup_failure(who + " and " + me +
-                    " disagree on TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS: they must be the same on every rank");
-    }
-    return theirs;
-  }
-
-  bool host_ = false;
-};
+  rendezvous.add("hca_cuda/unreachable", reaches_all ? 0 : 1);
+  barrier(rendezvous, world, "hca_cuda/chose", timeout);
+  return rendezvous.add("hca_cuda/unreachable", 0) > 0;
+}
 
 // This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
 class IpcStaging final : public Staging {
@@ -244,7 +236,7 @@ class HostStaging final : public Staging {
 std::unique_ptr<Staging> open_staging(ControlBlock& control, Rendezvous& rendezvous, int device,
                                       const CudaConfig& config, std::chrono::milliseconds timeout) {
   const int rank = control.rank(), world = control.world();
-  if (StagingChoice(rendezvous, rank, world, device, config, timeout).host()) {
+  if (stage_in_host_memory(rendezvous, rank, world, device, config, timeout)) {
     return std::make_unique<HostStaging>(rendezvous, rank, world, config, timeout);
   }
   return std::make_unique<IpcStaging>(control, rendezvous, rank, world, config, timeout);

@@ -32,13 +32,11 @@ class CudaCall final : public StreamCall {
   void keep_until_passed(std::shared_ptr<const CallTensors> kept) const override {
     // The host copies' pinned memory is safe already: a non-blocking copy records its use.
     const auto stream = torch_stream(this->stream(), device_index());
-    auto note = [&](const at::Tensor& t) {
+    kept->each([&](const at::Tensor& t) {
       if (t.defined() && t.is_cuda() && t.has_storage()) {
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
       }
-    };
-    for (const auto& t : kept->args.dense()) note(t);
-    for (const auto& t : kept->outputs) note(t);
+    });
   }
 
   at::Tensor host_staging(const at::Tensor& like) const override {
