@@ -66,14 +66,22 @@ class BuildExtensionNamingItsTorch(BuildExtension):
                 f.write(torch.__version__ + "\n")
 
 
+VERSION = "0.1.0"
+# The wheel's name says which torch it was built for (a local version label, e.g.
+# 0.1.0+torch2.13.0.cpu): an extension runs only with the torch whose headers it was built from.
+LOCAL_LABEL = "torch" + torch.__version__.replace("+", ".")
+
 setup(
     name="torch_hca",
-    version="0.1.0",
+    version=f"{VERSION}+{LOCAL_LABEL}",
     description="TensorFlow's hierarchical-copy cross-device reductions as a PyTorch c10d backend ('hca')",
     packages=["torch_hca"],
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtensionNamingItsTorch},
     # torch 2.14+ loads this for init_process_group("hca") when torch_hca was not imported
     entry_points={"torch.distributed.backends": ["hca = torch_hca.backend:register"]},
+    # torch itself is not required here: pip would fetch another build of it (GBs) over the one
+    # installed, which the extension was built against
+    install_requires=["tqdm"],
     python_requires=">=3.9",
 )

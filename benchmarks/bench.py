@@ -6,9 +6,10 @@
 On CUDA, ranks share the GPUs round-robin (several ranks on one GPU), every timed call ends
 with a device synchronize, and stock NCCL joins where it can run (one rank per GPU).
 
-Every backend runs in the same processes, one after the other, on the same float32 tensors.
-time = median over iterations of the slowest rank's time; algbw = bytes / time;
-busbw = algbw * 2(n-1)/n for allreduce, algbw for broadcast (as nccl-tests defines them).
+Every backend runs in the same processes, one after the other, on float32 tensors. The sweep is
+the installed `python -m torch_hca.bench`'s (its timing, columns and element check); this script
+puts hca's configurations side by side and adds a batch of 100 tensors, the small-message latency
+table, the speed-ups over gloo and the plot.
 """
 from __future__ import annotations
 
@@ -25,13 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch_hca.bench import bus_factor, iterations, measure, median_seconds, parse_size, print_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def parse_bytes(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
 def backends(world, device):
@@ -63,32 +60,6 @@ def synchronized(fn, dev):
     return lambda: (fn(), torch.cuda.synchronize(dev))
 
 
-def time_collective(fn, nbytes, group, timer_group):
-    """Median seconds per call of the slowest rank; iterations scale down with size."""
-    iters = max(5, min(200, int(2e8 // max(nbytes, 1))))
-    for _ in range(min(3, iters)):
-        fn()
-    dist.barrier(group=group)
-    samples = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
-    return median.item()
-
-
-def count_wrong(op, n, rank, world, group, dev):
-    """Elements that differ from the expected result for rank-dependent data."""
-    t = torch.full((n,), float(rank + 1), device=dev)
-    if op == "allreduce":
-        dist.all_reduce(t, group=group)
-        return int((t != world * (world + 1) / 2).sum())
-    dist.broadcast(t, src=0, group=group)
-    return int((t != 1.0).sum())
-
-
 def batch_shapes(count=100, smallest=4 << 10, largest=4 << 20):
     """`count` float32 tensor sizes spread geometrically from `smallest` to `largest` bytes."""
     ratio = (largest / smallest) ** (1 / (count - 1))
@@ -114,7 +85,7 @@ def time_batches(rank, world, timer_group):
         else:
             group = dist.new_group(backend="hca", pg_options=options)
             fn = lambda: torch_hca.batch_allreduce(tensors, group=group)  # noqa: E731
-        seconds = time_collective(fn, nbytes, group, timer_group)
+        seconds = median_seconds(fn, iterations(nbytes), 3, torch.device("cpu"), timer_group)
         rows.append(dict(backend=label, op="batch100", world_size=world, size=nbytes, count=len(tensors),
                          time_us=seconds * 1e6))
     return rows
@@ -212,20 +183,7 @@ def worker(rank, world, init, sizes, ops, out_path, device, pin):
     for label, backend, options in backends(world, device):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
-            for nbytes in sizes:
-                n = max(1, nbytes // 4)
-                t = torch.zeros(n, device=dev)
-                if op == "allreduce":
-                    fn = synchronized(lambda: dist.all_reduce(t, group=group), dev)  # noqa: E731
-                else:
-                    fn = synchronized(lambda: dist.broadcast(t, src=0, group=group), dev)  # noqa: E731
-                seconds = time_collective(fn, n * 4, group, timer_group)
-                algbw = n * 4 / seconds / 1e9
-                factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
-                rows.append(dict(backend=label, op=op, world_size=world, size=n * 4, count=n, type="float",
-                                 redop="sum" if op == "allreduce" else "none", root=-1 if op == "allreduce" else 0,
-                                 time_us=seconds * 1e6, algbw=algbw, busbw=algbw * factor,
-                                 wrong=count_wrong(op, n, rank, world, group, dev)))
+            rows += measure(label, op, group, sizes, torch.float32, dev, timer_group)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -246,18 +204,6 @@ def _timed(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def print_table(rows):
-    header = f"{'size(B)':>10} {'count':>9} {'type':>6} {'redop':>6} {'root':>4} {'time(us)':>11} " \
-             f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}"
-    key = None
-    for r in rows:
-        if (r["backend"], r["op"], r["world_size"]) != key:
-            key = (r["backend"], r["op"], r["world_size"])
-            print(f"\n# {r['op']}  {r['backend']}  ranks={r['world_size']}\n{header}")
-        print(f"{r['size']:>10} {r['count']:>9} {r['type']:>6} {r['redop']:>6} {r['root']:>4} {r['time_us']:>11.1f} "
-              f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6}")
 
 
 def ratios(rows):
@@ -312,7 +258,7 @@ def plot(rows, path, title, memcpy_gbps, bound_label):
         # The physical bound: busbw at the copy bandwidth measured in this run (nccl-tests' busbw
         # counts the bytes each rank must move), and the time that takes at each size.
         sizes = sorted({r["size"] for r in rows if r["op"] == op and r["world_size"] == world})
-        factor = 2 * (world - 1) / world if op == "allreduce" else 1.0
+        factor = bus_factor(op, world)
         axes[0][col].axhline(memcpy_gbps, color="black", linestyle=":", label=bound_label)
         if factor > 0:
             axes[1][col].plot(sizes, [s * factor / memcpy_gbps / 1e3 for s in sizes], ":", color="black",
@@ -339,8 +285,8 @@ def main(argv=None):
     parser.add_argument("--min-bytes", default="4")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
-    parser.add_argument("--ops", default="allreduce,broadcast,latency",
-                        help="allreduce, broadcast, batch (100 tensors of 4 KiB-4 MiB), latency "
+    parser.add_argument("--ops", default="all_reduce,broadcast,latency",
+                        help="all_reduce, broadcast (or any op of python -m torch_hca.bench), batch (100 tensors of 4 KiB-4 MiB), latency "
                              "(4 B-64 KiB allreduce, blocking and async)")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
@@ -351,8 +297,8 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="tensors' device (auto: cuda when a GPU is present)")
     args = parser.parse_args(argv)
-    sizes, n = [], parse_bytes(args.min_bytes)
-    while n <= parse_bytes(args.max_bytes):
+    sizes, n = [], parse_size(args.min_bytes)
+    while n <= parse_size(args.max_bytes):
         sizes.append(n)
         n *= args.step
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -23,7 +23,8 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench import count_wrong, parse_bytes, print_speedups, print_table, ratios, time_collective  # noqa: E402
+from bench import print_speedups, ratios  # noqa: E402
+from torch_hca.bench import measure, parse_size, print_table  # noqa: E402
 
 WORLD = 4
 
@@ -51,15 +52,7 @@ def worker(rank, init, sizes, out_path):
         else:
             os.environ["TORCH_HCA_NODE_ID"] = node_of(rank)  # read when the group is created
             group = dist.new_group(backend="hca", pg_options=options)
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            t = torch.zeros(n)
-            seconds = time_collective(lambda: dist.all_reduce(t, group=group), n * 4, group, timer_group)
-            algbw = n * 4 / seconds / 1e9
-            rows.append(dict(backend=label, op="allreduce", world_size=WORLD, size=n * 4, count=n, type="float",
-                             redop="sum", root=-1, time_us=seconds * 1e6, algbw=algbw,
-                             busbw=algbw * 2 * (WORLD - 1) / WORLD,
-                             wrong=count_wrong("allreduce", n, rank, WORLD, group, torch.device("cpu"))))
+        rows += measure(label, "all_reduce", group, sizes, torch.float32, torch.device("cpu"), timer_group)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -73,8 +66,8 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=4)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    sizes, n = [], parse_bytes(args.min_bytes)
-    while n <= parse_bytes(args.max_bytes):
+    sizes, n = [], parse_size(args.min_bytes)
+    while n <= parse_size(args.max_bytes):
         sizes.append(n)
         n *= args.step
     with tempfile.TemporaryDirectory() as tmp:

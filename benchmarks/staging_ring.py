@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import parse_bytes
+from torch_hca.bench import parse_size
 
 REPEATS = 7
 
@@ -68,7 +68,7 @@ def main():
     args = parser.parse_args()
     slots = [int(s) for s in args.slots.split(",")]
     options = {"algorithm": args.algorithm, "num_packs": args.num_packs}
-    sizes = [parse_bytes(s) for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", slots, sizes, options, out),

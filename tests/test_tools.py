@@ -1,0 +1,125 @@
+"""The installed tools: `python -m torch_hca.bench` (nccl-tests' sweep) and `python -m torch_hca.check`
+(the self-test), run as a user runs them, and their element checks shown to catch a wrong result."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca.bench
+import torch_hca.check
+from harness import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITEMSIZE = {"float": 4, "bfloat16": 2, "half": 2, "double": 8, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+
+
+def run_tool(args, tmp_path, launcher=(sys.executable, "-m")):
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([*launcher, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("op, datatype, redop, nprocs", [
+    ("all_reduce", "float", "sum", 3), ("all_reduce", "bfloat16", "max", 2), ("broadcast", "double", "sum", 4),
+    ("all_gather", "half", "sum", 3), ("reduce_scatter", "int32", "min", 4), ("reduce_scatter", "float", "avg", 2),
+    ("all_to_all", "int8", "sum", 3), ("all_reduce", "int64", "prod", 1)])
+def test_bench_sweeps_like_nccl_tests_and_checks_every_element(op, datatype, redop, nprocs, tmp_path):
+    out = run_tool(["torch_hca.bench", "-b", "4", "-e", "64K", "-f", "16", "-n", "3", "-w", "1", "-o", op,
+                    "-d", datatype, "--redop", redop, "-r", str(nprocs - 1), "--nprocs", str(nprocs),
+                    "--compare", "gloo,nccl", "--json", "rows.json"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "size(B)       count   type  redop root   time(us) algbw(GB/s) busbw(GB/s) #wrong" in out.stdout
+    assert "nccl: not run: " in out.stdout  # no CUDA tensors here: said, not silently dropped
+    data = json.loads((tmp_path / "rows.json").read_text())
+    assert data["wrong"] == 0 and data["meta"]["world_size"] == nprocs and data["meta"]["launch"] == "spawned"
+    assert [s["backend"] for s in data["skipped"]] == ["nccl"]
+    gathers = op in ("all_gather", "reduce_scatter", "all_to_all")
+    for backend in ("hca", "gloo"):
+        rows = [r for r in data["rows"] if r["backend"] == backend]
+        assert len(rows) == 4, rows  # 4 B, 64 B, 1 KiB, 16 KiB (or the multiple of the world below it)
+        for r, nbytes in zip(rows, (4, 64, 1024, 16384)):
+            part = max(1, nbytes // ITEMSIZE[datatype] // (nprocs if gathers else 1))
+            assert r["count"] == part and r["size"] == part * ITEMSIZE[datatype] * (nprocs if gathers else 1)
+            assert r["wrong"] == 0 and r["time_us"] > 0
+            assert r["busbw"] == pytest.approx(r["algbw"] * torch_hca.bench.bus_factor(op, nprocs))
+            assert r["root"] == (nprocs - 1 if op == "broadcast" else -1)
+
+
+def test_bench_under_torchrun(tmp_path):
+    out = run_tool(["--nproc-per-node", "2", "-m", "torch_hca.bench", "-b", "1K", "-e", "1M", "-f", "32",
+                    "-o", "all_reduce", "--num-packs", "2", "--json", "rows.json"], tmp_path,
+                   launcher=(sys.executable, "-m", "torch.distributed.run"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "rows.json").read_text())
+    assert data["meta"]["launch"] == "torchrun" and data["meta"]["world_size"] == 2
+    assert data["meta"]["hca"] == "algorithm=hierarchical_copy, num_packs=2"
+    assert [r["size"] for r in data["rows"]] == [1024, 32768, 1048576] and data["wrong"] == 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--compare", "mpi"], "--compare: unknown backend 'mpi'"),
+    (["--redop", "avg", "-d", "int32"], "--redop avg: integer datatype 'int32'"),
+    (["-r", "2", "--nprocs", "2"], "-r/--root: rank 2 is not in a world of 2 ranks"),
+    (["-b", "1M", "-e", "1K"], "minbytes <= maxbytes"),
+])
+def test_bench_refuses_bad_arguments_before_any_rank_starts(args, needle):
+    with pytest.raises(SystemExit, match=needle):
+        torch_hca.bench.main(args)
+
+
+def corrupting(call, op_to_corrupt, rank_to_corrupt):
+    """`call`, except that `op_to_corrupt`'s result on `rank_to_corrupt` gets its first element changed."""
+    def wrapped(op, group, *args):
+        result = call(op, group, *args)
+        if op == op_to_corrupt and group.rank() == rank_to_corrupt:
+            result[0] = (not result[0].item()) if result.dtype == torch.bool else result[0] + 1
+        return result
+    return wrapped
+
+
+def bench_with_a_wrong_element(rank, world):
+    torch_hca.bench.call = corrupting(torch_hca.bench.call, "all_reduce", 1)
+    group = dist.new_group(backend="hca")
+    rows = torch_hca.bench.measure("hca", "all_reduce", group, [8, 4096], torch.float32, torch.device("cpu"),
+                                   dist.group.WORLD, iters=2, warmup=0)
+    return [r["wrong"] for r in rows]
+
+
+def test_bench_counts_a_wrong_element():
+    assert run_ranks(bench_with_a_wrong_element, 3, backend="gloo") == [[1, 1]] * 3
+
+
+def check_with_wrong_all_gathers(rank, world):
+    torch_hca.check.call = corrupting(torch_hca.check.call, "all_gather", 2)
+    group = dist.new_group(backend="hca")
+    return [(name, failure) for name, failure in torch_hca.check.run_checks(group, torch.device("cpu"), world)
+            if failure]
+
+
+def test_check_reports_exactly_the_wrong_results():
+    ranks = run_ranks(check_with_wrong_all_gathers, 3, backend="gloo")
+    assert ranks[0] == [] and ranks[1] == []
+    wanted = [c for c in torch_hca.check.cases(3) if c[0] == "all_gather"]
+    assert len(ranks[2]) == len(wanted) == 20  # every dtype, small and large
+    for name, failure in ranks[2]:
+        assert name.startswith("all_gather ") and "elements differ, first at 0" in failure
+
+
+def test_check_passes_and_says_so(tmp_path):
+    out = run_tool(["torch_hca.check", "--world-sizes", "1,3", "--json", "check.json", "--log", "check.log"],
+                   tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads((tmp_path / "check.json").read_text())
+    assert data["failed"] == 0 and [r["world_size"] for r in data["reports"]] == [1, 3]
+    for report in data["reports"]:
+        assert set(report["modes"]) == {name for name, _ in torch_hca.check.modes(report["world_size"])}
+        for mode in report["modes"].values():
+            assert len(mode["checks"]) == len(torch_hca.check.cases(report["world_size"])) and not mode["incomplete"]
+    total = sum(len(m["checks"]) for r in data["reports"] for m in r["modes"].values())
+    assert out.stdout.splitlines()[-1] == f"PASS: {total} of {total} checks right; full log: {tmp_path / 'check.log'}"
+    assert "hierarchy: groups [[0, 1, 2]]" in out.stdout and "step 1: reduce" in out.stdout
+    log = (tmp_path / "check.log").read_text().splitlines()
+    assert sum(line.startswith("ok ") for line in log) == total

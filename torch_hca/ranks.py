@@ -1,0 +1,51 @@
+"""Where the installed tools' ranks come from: torchrun's environment, or processes of their own."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def launched_by_torchrun(environ=None) -> bool:
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
+
+
+def run_on_ranks(main, args, nprocs: int):
+    """main(args) on every rank, with a gloo default group up: this process's rank under
+    torchrun (main's answer returned), else `nprocs` spawned processes that meet in a temporary
+    file store (None returned: they answer through files)."""
+    if launched_by_torchrun():
+        dist.init_process_group("gloo")
+        try:
+            return main(args)
+        finally:
+            dist.destroy_process_group()
+    with tempfile.TemporaryDirectory(prefix="torch_hca-") as tmp:
+        mp.spawn(_spawned, args=(nprocs, f"file://{tmp}/store", main, args), nprocs=nprocs)
+
+
+def _spawned(rank, world, init_method, main, args):
+    import torch_hca  # noqa: F401  (registers "hca" in the spawned interpreter)
+
+    torch.set_num_threads(1)  # the ranks share the cores; one thread each, as torchrun sets
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        main(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def rank_device(device: str) -> torch.device:
+    """This rank's device: CUDA ranks share the visible GPUs round-robin by local rank (several
+    ranks on one GPU run with hca), CPU ranks use the CPU."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device)
