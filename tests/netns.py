@@ -3,7 +3,9 @@ Simulated hosts on one machine: each node gets its own network namespace (a veth
 them, each end with its own address) and each of its ranks runs in a UTS namespace named after
 the node, so traffic between nodes crosses a (virtual) network and hostnames differ per node.
 Needs root and `ip`/`unshare`; `unavailable()` says why not where they are missing.
-Containers on one host: ranks in pid namespaces of their own (`run_in_pid_namespaces`)."""
+Each simulated host has a /dev/shm of its own (a tmpfs), as separate hosts do.
+Containers on one host: ranks in pid namespaces of their own (`run_in_pid_namespaces`), or with
+a /dev/shm and a hostname of their own (`run_in_containers`)."""
 from __future__ import annotations
 
 import json
@@ -54,9 +56,11 @@ class TwoHosts:
         subnet = 100 + os.getpid() % 100
         self.addresses = [f"10.{subnet}.0.1", f"10.{subnet}.0.2"]
         self.hostnames = ["hca-node-a", "hca-node-b"]
+        self.shm = NodeShm(2)
 
     def __enter__(self):
         try:
+            self.shm.__enter__()
             for ns in self.netns:
                 subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
             _ip("link", "add", self.links[0], "type", "veth", "peer", "name", self.links[1])
@@ -73,6 +77,7 @@ class TwoHosts:
     def __exit__(self, *exc):
         for ns in self.netns:  # deleting a namespace removes its end of the pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.shm.__exit__(*exc)
 
     def run(self, case, node_sizes, args=(), timeout_s=30, deadline_s=240, allow_missing=()):
         """Runs node_cases.<case>(rank, world, *args) on every rank, node i's ranks in namespace i;
@@ -80,11 +85,60 @@ class TwoHosts:
         placement = [node for node, size in enumerate(node_sizes) for _ in range(size)]
         self.runs = getattr(self, "runs", 0) + 1
         port = 20000 + (os.getpid() * 7 + self.runs * 101) % 20000
-        wrappers = [["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--", "sh", "-c",
-                     f'hostname {self.hostnames[node]} && exec "$@"', "sh"] for node in placement]
+        wrappers = [["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--mount", "--", "sh", "-c",
+                     f'{self.shm.mount(node)} && hostname {self.hostnames[node]} && exec "$@"', "sh"]
+                    for node in placement]
         envs = [dict(MASTER_ADDR=self.addresses[0], MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=self.links[node])
                 for node in placement]
         return run_workers(case, wrappers, envs, args, timeout_s, deadline_s, allow_missing)
+
+
+class NodeShm:
+    """A tmpfs per simulated node, for its ranks to mount on /dev/shm in mount namespaces of
+    their own: the ranks of one node share it, and no other."""
+
+    def __init__(self, nodes):
+        self.dirs = [tempfile.mkdtemp(prefix=f"hca-shm{n}-") for n in range(nodes)]
+
+    def __enter__(self):
+        for d in self.dirs:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", d], check=True, capture_output=True)
+        return self
+
+    def __exit__(self, *exc):
+        for d in self.dirs:
+            subprocess.run(["umount", d], capture_output=True)
+            os.rmdir(d)
+
+    def mount(self, node):
+        """The shell command that puts node `node`'s tmpfs on /dev/shm."""
+        return f"mount --bind {self.dirs[node]} /dev/shm"
+
+
+def mount_namespaces_unavailable():
+    """Why a rank cannot get a /dev/shm of its own here (a mount namespace, a tmpfs), or None."""
+    if os.geteuid() != 0:
+        return "needs root to mount a tmpfs"
+    if shutil.which("unshare") is None:
+        return "needs the `unshare` command"
+    done = subprocess.run(["unshare", "--mount", "--uts", "--", "sh", "-c",
+                           "mount -t tmpfs tmpfs /dev/shm && hostname hca-probe && test -z \"$(ls /dev/shm)\""],
+                          capture_output=True, text=True)
+    return None if done.returncode == 0 else f"cannot mount a tmpfs on /dev/shm: {(done.stderr or done.stdout).strip()}"
+
+
+def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, deadline_s=240):
+    """Runs node_cases.<case> on len(shm) ranks of this host, as containers would: rank r sees
+    the host's /dev/shm where shm[r] is None, else the tmpfs of simulated node shm[r] (ranks
+    with one value share it), and has the hostname hostnames[r] (None: the host's)."""
+    port = 20000 + (os.getpid() * 17) % 20000
+    with NodeShm(max((n for n in shm if n is not None), default=-1) + 1) as nodes:
+        wrappers = []
+        for node, hostname in zip(shm, hostnames):
+            steps = ([nodes.mount(node)] if node is not None else []) + ([f"hostname {hostname}"] if hostname else [])
+            wrappers.append(["unshare", "--mount", "--uts", "--", "sh", "-c", " && ".join(steps + ['exec "$@"']), "sh"])
+        envs = [dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for _ in shm]
+        return run_workers(case, wrappers, envs, args, timeout_s, deadline_s)
 
 
 def pid_namespaces_unavailable():

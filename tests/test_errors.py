@@ -4,7 +4,6 @@ import os
 from datetime import timedelta
 import signal
 import shutil
-import socket
 import subprocess
 import time
 
@@ -332,7 +331,7 @@ def test_only_our_own_segments_are_attached(case):
         if owner is not None:
             os.fchown(fd, owner, -1)
         store = dist.HashStore()
-        store.set("seg", f"{socket.gethostname()}\n/{name}\ntest layout")
+        store.set("seg", f"{torch_hca._C.shared_memory_identity()}\n/{name}\ntest layout")
         attach = lambda: torch_hca._C._join_shared_segment(store, "seg", 1, 2, 4096, "test layout", 1000)  # noqa: E731
         if refused is None:
             attach()

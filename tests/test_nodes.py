@@ -1,6 +1,8 @@
 """hca across nodes: the node level of the plan, then real runs, first with nodes named by
-TORCH_HCA_NODE_ID on this host, then with each node in its own network and UTS namespace."""
+TORCH_HCA_NODE_ID on this host, then with each node in its own network and UTS namespace and
+/dev/shm, then as containers of one host that do or do not share /dev/shm."""
 import socket
+import time
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.distributed as dist
 import node_cases
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
-from netns import TwoHosts, unavailable
+from netns import TwoHosts, mount_namespaces_unavailable, run_in_containers, unavailable
 from torch_hca.backend import check_gloo_can_leave_this_host
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -208,19 +210,62 @@ def _resolver(addresses):
 
 # Between hosts gloo listens on what the hostname resolves to: loopback only (or nothing) strands
 # the other hosts after a long wait; it must be named at init with the fix.
-@pytest.mark.parametrize("addresses, env, refused", [
-    (["127.0.1.1"], {}, "resolves to 127.0.1.1"),
-    (["127.0.0.1", "::1"], {}, "resolves to 127.0.0.1, ::1"),
-    (None, {}, "resolves to nothing"),
-    (["10.0.0.7", "127.0.1.1"], {}, None),
-    (["127.0.1.1"], {"GLOO_SOCKET_IFNAME": "eth0"}, None),
-    (["127.0.1.1"], {"TORCH_HCA_NODE_ID": "a"}, None),  # simulated nodes share this host
+@pytest.mark.parametrize("addresses, env, networks, refused", [
+    (["127.0.1.1"], {}, ["net-a", "net-b"], "resolves to 127.0.1.1"),
+    (["127.0.0.1", "::1"], {}, ["net-a", "net-b"], "resolves to 127.0.0.1, ::1"),
+    (None, {}, ["net-a", "net-b"], "resolves to nothing"),
+    (["10.0.0.7", "127.0.1.1"], {}, ["net-a", "net-b"], None),
+    (["127.0.1.1"], {"GLOO_SOCKET_IFNAME": "eth0"}, ["net-a", "net-b"], None),
+    (["127.0.1.1"], {}, ["net-a", "net-a"], None),  # nodes of one kernel and network: loopback reaches them
 ])
-def test_hosts_gloo_cannot_leave_are_named_at_init(addresses, env, refused):
-    check = lambda: check_gloo_can_leave_this_host(["host-a", "host-b"], environ=env, hostname="host-a",  # noqa: E731
+def test_hosts_gloo_cannot_leave_are_named_at_init(addresses, env, networks, refused):
+    check = lambda: check_gloo_can_leave_this_host(networks, environ=env, hostname="host-a",  # noqa: E731
                                                    resolve=_resolver(addresses))
     if refused is None:
         check()
     else:
         with pytest.raises(ValueError, match=f"'host-a' {refused}.*GLOO_SOCKET_IFNAME"):
             check()
+
+
+# ---------------------------------------------------------------- containers of one host: who shares /dev/shm
+
+MOUNTNS = mount_namespaces_unavailable()
+needs_mountns = pytest.mark.skipif(MOUNTNS is not None, reason=f"containers: {MOUNTNS}")
+
+
+def test_a_node_is_one_kernel_and_one_dev_shm_not_a_hostname():
+    identity = torch_hca.node_identity()
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert identity.startswith(f"boot {f.read().strip()}, /dev/shm ")
+    assert torch_hca.backend.node_identity() == identity
+    assert torch_hca.node.node_identity({"TORCH_HCA_NODE_ID": " rack3 "}) == "rack3"  # the override stays
+
+
+@needs_mountns
+def test_containers_sharing_dev_shm_under_other_hostnames_are_one_node():
+    """--ipc=host containers, each with a hostname of its own: shared memory, not gloo."""
+    got = run_in_containers("layout", [None] * 3, ["box-a", "box-b", "box-c"])
+    assert got == [["ProcessGroupHCA", None]] * 3
+    assert run_in_containers("rooted_and_gathers", [None] * 3, ["box-a", "box-b", "box-c"]) == [[]] * 3
+
+
+@needs_mountns
+def test_containers_with_a_dev_shm_each_under_one_hostname_are_separate_nodes():
+    """Two pairs of ranks, each pair sharing a tmpfs on /dev/shm, all named alike: two nodes."""
+    shm, names = [0, 0, 1, 1], ["box"] * 4
+    assert run_in_containers("layout", shm, names) == [["NodeBackend", [[0, 1], [2, 3]]]] * 4
+    assert run_in_containers("allreduce_matrix", shm, names, args=["hierarchical_copy", [2]]) == [[]] * 4
+
+
+@needs_mountns
+def test_one_node_id_over_separate_dev_shms_fails_at_init_on_every_rank():
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_in_containers("layout", [None, 0, None], [None] * 3, env={"TORCH_HCA_NODE_ID": "one-node"})
+    message = str(failed.value)
+    for rank in range(3):
+        assert f"rank {rank}:" in message
+    assert message.count("ValueError: hca: ranks announce one node ('one-node') but do not share /dev/shm: rank 0 "
+                         "cannot see the files of rank 1 there (and 2 more ranks are as blind)") == 3, message
+    assert "--ipc=host" in message and time.monotonic() - started < 60

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, topology
+from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
 from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
@@ -36,11 +37,11 @@ def _create(dist_backend_opts, backend_options):
         cpu_engine, cuda_engine = _engines(dist_backend_opts, store)
         return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
                                      cpu_engine=cpu_engine, cuda_engine=cuda_engine)
-    identities = _C.exchange_reports(store, "node_identity", rank, size, node_identity(), timeout_ms)
+    identities, networks = exchange_identities(store, rank, size, timeout_ms)
     if len(set(identities)) == 1:
         return _node_group(store, rank, size, timeout_ms, options)
     try:
-        return _across_nodes(dist_backend_opts, store, options, identities, timeout_ms)
+        return _across_nodes(dist_backend_opts, store, options, identities, networks, timeout_ms)
     except Exception as e:
         _C.publish_setup_failure(store, rank, f"{type(e).__name__}: {e}")
         raise
@@ -75,12 +76,6 @@ def incarnation_store(store, rank):
     return dist.PrefixStore(f"hca/{incarnation}/", store)
 
 
-def node_identity() -> str:
-    """What names this rank's node: TORCH_HCA_NODE_ID where set (for setups where hostnames
-    mislead), else the hostname. Ranks with equal identities share memory and devices."""
-    return os.environ.get("TORCH_HCA_NODE_ID", "").strip() or socket.gethostname()
-
-
 def _node_group(store, rank, size, timeout_ms, options):
     """hca's own group over the ranks of one node, its hierarchy from where they run (groups="auto")."""
     cpu, cuda, places = topology.resolve(options.groups, store, rank, size, timeout_ms)
@@ -93,7 +88,7 @@ def _node_group(store, rank, size, timeout_ms, options):
     return group
 
 
-def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
+def _across_nodes(dist_backend_opts, store, options, identities, networks, timeout_ms):
     """hca inside this rank's node; among the node leaders of each leader position (one group
     per position: every local rank of the largest node leads one), gloo for CPU tensors and
     the `inter_node_backend` engine for CUDA tensors; over every rank, the stock engines for the
@@ -104,7 +99,7 @@ def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
     node = next(n for n, ranks in enumerate(members) if rank in ranks)
     plan_options = options.plan_options()
     plan_options.validate_across_nodes(identities)
-    check_gloo_can_leave_this_host(identities)
+    check_gloo_can_leave_this_host(networks)
     # One call per pack: the node's group need not split it again. Its groups: auto or halves
     # (validate_across_nodes refused groups given across nodes).
     inside = Options(options.algorithm, num_packs=1, groups=options.groups)
@@ -124,15 +119,15 @@ def _across_nodes(dist_backend_opts, store, options, identities, timeout_ms):
                           world_cpu=world_cpu, world_cuda=world_cuda)
 
 
-def check_gloo_can_leave_this_host(identities, environ=None, hostname=None, resolve=None):
+def check_gloo_can_leave_this_host(networks, environ=None, hostname=None, resolve=None):
     """gloo finds its address by resolving the hostname; where that gives only loopback (or
     nothing), the ranks of other hosts fail after a long wait with "Connection refused,
-    remote=[127.0.0.1]". Raises ValueError at once instead, naming the host and the fix. Ranks
-    told apart by TORCH_HCA_NODE_ID only may share a host: then loopback is right."""
+    remote=[127.0.0.1]". Raises ValueError at once instead, naming the host and the fix.
+    networks: each rank's network identity (node.network_identity); where all are one (one
+    kernel, one network namespace: nodes told apart by their /dev/shm or TORCH_HCA_NODE_ID),
+    loopback reaches every rank and is right."""
     environ = os.environ if environ is None else environ
-    if environ.get("GLOO_SOCKET_IFNAME") or environ.get("TORCH_HCA_NODE_ID", "").strip():
-        return
-    if len(set(identities)) < 2:
+    if environ.get("GLOO_SOCKET_IFNAME") or len(set(networks)) < 2:
         return
     hostname = hostname or socket.gethostname()
     resolve = resolve or (lambda name: [info[4][0] for info in socket.getaddrinfo(name, None)])

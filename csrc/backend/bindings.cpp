@@ -6,6 +6,7 @@
 
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
+#include "../transport/control/segment.h"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
 #include "engines/node_backend.hpp"
@@ -233,6 +234,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
+  m.def("shared_memory_identity", &shared_memory_identity,
+        "This process's kernel (boot id) and /dev/shm (its device): equal for ranks that share memory");
   // Tests: joins the segment the store names under `key` as `rank` (rank 0 creates it and
   // waits for the others to attach, the others attach), then leaves it.
   m.def(

@@ -6,12 +6,14 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <mutex>
 #include <random>
 #include <set>
@@ -19,13 +21,25 @@
 #include <thread>
 
 namespace hca {
-namespace {
 
-std::string hostname() {
-  char name[256] = {0};
-  gethostname(name, sizeof(name) - 1);
-  return name;
+std::string shared_memory_identity() {
+  std::ifstream boot_file("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(boot_file, boot);
+  std::string who = "boot " + boot;
+  if (boot.empty()) {
+    char name[256] = {0};
+    gethostname(name, sizeof(name) - 1);
+    who = std::string("host ") + name;
+  }
+  struct stat st {};
+  const std::string shm = stat("/dev/shm", &st) == 0
+                              ? std::to_string(major(st.st_dev)) + ":" + std::to_string(minor(st.st_dev))
+                              : "none";
+  return who + ", /dev/shm " + shm;
 }
+
+namespace {
 
 constexpr char kNamePrefix[] = "/torch_hca_";
 
@@ -157,7 +171,7 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
                              const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
                              const std::string& mismatch_hint, size_t share_bytes)
     : bytes_(bytes) {
-  const std::string host = hostname();
+  const std::string host = shared_memory_identity();
   // This rank's pages: its share, or everything for rank 0 when nothing is shared out.
   const size_t reserve_from = share_bytes ? static_cast<size_t>(rank) * share_bytes : 0;
   const size_t reserve_bytes = share_bytes ? share_bytes : (rank == 0 ? bytes : 0);
@@ -205,8 +219,8 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     const std::string owner_host = published.substr(0, cut), name = published.substr(cut + 1, cut2 - cut - 1),
                       owner_layout = published.substr(cut2 + 1);
     if (owner_host != host) {
-      throw std::runtime_error("hca: rank 0 runs on host '" + owner_host + "' and rank " + std::to_string(rank) +
-                               " on '" + host + "'; the shared-memory transport serves ranks of one node only");
+      throw std::runtime_error("hca: rank 0 runs on '" + owner_host + "' and rank " + std::to_string(rank) + " on '" +
+                               host + "'; the shared-memory transport serves ranks that share one /dev/shm only");
     }
     int fd = our_name(name) ? shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600) : -1;
     if (fd < 0 && our_name(name)) fail("shm_open " + name, errno);

@@ -10,6 +10,13 @@
 
 namespace hca {
 
+// The kernel's boot id and the device of the filesystem on /dev/shm, e.g.
+// "boot 6f1c...-..., /dev/shm 0:25": equal exactly for processes that open one
+// another's segments (one host; containers only where they share /dev/shm,
+// --ipc=host), whatever their hostnames. "host <name>" stands in for a boot id
+// that cannot be read.
+std::string shared_memory_identity();
+
 // a * b * c bytes; throws std::invalid_argument naming `what` if it does not fit a size_t.
 size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what);
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../plan/rounds.h"
+#include "../control/segment.h"
 #include "../shm/shm_executor.h"
 #include "../stream/stream_executor.h"
 #include "check.h"
@@ -30,12 +31,6 @@ struct PeerRecord {
   uint64_t slot_bytes;
   int32_t slots;
 };
-
-std::string hostname() {
-  char name[64] = {0};
-  gethostname(name, sizeof(name) - 1);
-  return name;
-}
 
 std::string uuid_text(const char* uuid) {
   static const char* hex = "0123456789abcdef";
@@ -94,8 +89,8 @@ PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, c
   const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
   if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
   if (std::strncmp(theirs.host, mine.host, sizeof(mine.host)) != 0) {
-    setup_failure(who + " runs on host '" + theirs.host + "' and " + me + " on '" + mine.host +
-                  "': CUDA staging serves the ranks of one node only");
+    setup_failure(who + " runs on '" + theirs.host + "' and " + me + " on '" + mine.host +
+                  "': CUDA staging serves the ranks of one node (one kernel, one /dev/shm) only");
   }
   if (theirs.slot_bytes != mine.slot_bytes || theirs.slots != mine.slots) {
     setup_failure(who + " and " + me +
@@ -115,7 +110,7 @@ bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int devic
   PeerRecord mine{};
   mine.protocol = kProtocol;
   mine.pid = static_cast<int32_t>(getpid());
-  std::strncpy(mine.host, hostname().c_str(), sizeof(mine.host) - 1);
+  std::strncpy(mine.host, shared_memory_identity().c_str(), sizeof(mine.host) - 1);
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   std::memcpy(mine.uuid, prop.uuid.bytes, 16);
