@@ -35,7 +35,7 @@ def backends(world, device):
     """(label, backend, hca options) for every contender."""
     import torch_hca
 
-    rows = [("gloo", "gloo", None),
+    rows = [("gloo", "gloo", None), ("hca (defaults: packs chosen per call)", "hca", torch_hca.Options()),
             ("hca/hierarchical_copy", "hca", torch_hca.Options("hierarchical_copy", num_packs=1))]
     if world > 1:
         rows.append((f"hca/hierarchical_copy(num_packs={world})", "hca",

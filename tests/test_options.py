@@ -1,5 +1,6 @@
 """Options and their environment variables, including random (fuzzed) values; options that
 differ across ranks."""
+import os
 import random
 import time
 
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import RankFailed, run_ranks
+from reference import make_input, mismatch, reduce_reference
 from torch_hca.options import Options, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 
@@ -69,7 +71,8 @@ def test_fuzzed_env_values_never_crash():
         # Whatever parsed is also a valid plan for some world, or a ValueError there: never a crash.
         for world in (1, 3, 8):
             try:
-                torch_hca.explain(world, opts.algorithm, opts.num_packs % 50, opts.groups, opts.reduce_to_device)
+                torch_hca.explain(world, opts.algorithm, None if opts.num_packs is None else opts.num_packs % 50,
+                                  opts.groups, opts.reduce_to_device)
             except ValueError:
                 pass
     assert outcomes["ok"] > 100 and outcomes["ValueError"] > 100
@@ -118,12 +121,12 @@ def _first_allreduce(rank, world):
 # Each case: what rank 1 (or ranks 1 and 2) set differently, and what every rank's error names.
 DIFFERING = {
     "agg_small_grads_max_bytes": ([{}, {"TORCH_HCA_NUM_PACKS": "0", "TORCH_HCA_AGG_SMALL_GRADS_MAX_BYTES": "1024"}, {}],
-                                  ["num_packs is 1 on ranks 0, 2; 0 on rank 1",
+                                  ["num_packs is unset on ranks 0, 2; 0 on rank 1",
                                    "agg_small_grads_max_bytes is 0 on ranks 0, 2; 1024 on rank 1"]),
     "agg_small_grads_max_group": ([{}, {"TORCH_HCA_AGG_SMALL_GRADS_MAX_GROUP": "3"}, {}],
                                   ["agg_small_grads_max_group is 10 on ranks 0, 2; 3 on rank 1"]),
     "reduce_to_device": ([{"TORCH_HCA_REDUCE_TO_DEVICE": "2"}, {"TORCH_HCA_REDUCE_TO_DEVICE": "1"}, {}],
-                         ["reduce_to_device is 2 on rank 0; 1 on rank 1; null on rank 2"]),
+                         ["reduce_to_device is 2 on rank 0; 1 on rank 1; unset on rank 2"]),
     "groups": ([{}, {"TORCH_HCA_GROUPS": "0,1;2"}, {"TORCH_HCA_GROUPS": "0,1;2"}],
                ['groups is "auto" on rank 0; [[0, 1], [2]] on ranks 1, 2']),
     "algorithm": ([{"TORCH_HCA_ALGORITHM": "nccl"}, {}, {}],
@@ -151,3 +154,25 @@ def test_pg_options_win_over_a_rank_s_own_environment():
     env_per_rank = [{"TORCH_HCA_NUM_PACKS": "3"}, {}]
     got = run_ranks(_first_allreduce, 2, env_per_rank=env_per_rank, pg_options=torch_hca.Options(num_packs=3))
     assert got == [[2.0] * 10] * 2
+
+
+def pin_rank_0_to_one_cpu(rank):
+    if rank == 0:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def allreduce_around_the_pack_thresholds(rank, world):
+    errors = []
+    for case, numel in enumerate([4095, 4096, 16 << 10, (16 << 20) // 4]):
+        inputs = [make_input(case, r, numel, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        errors.append(mismatch(f"allreduce x{numel}", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give the ranks different counts")
+def test_ranks_with_different_cpus_choose_the_same_packs():
+    """Rank 0 may run on 1 CPU, rank 1 on 2: chosen from one rank's CPUs, 64 KiB would be one pack
+    on rank 0 and two on rank 1; chosen from the CPUs of all, every rank agrees."""
+    assert run_ranks(allreduce_around_the_pack_thresholds, 2, before_init=pin_rank_0_to_one_cpu) == [[], []]

@@ -123,3 +123,19 @@ def test_nccl_plan_is_the_packing_alone():
                              agg_small_grads_max_bytes=100, agg_small_grads_max_group=10)
     assert [[s[0] for s in p["segments"]] for p in plan.packs] == [[0, 1], [2], [3]]
     assert all(p["steps"] == [] for p in plan.packs)
+
+
+@pytest.mark.parametrize("world, cpus, numel, packs", [
+    (2, 2, 1024, 1), (2, 2, 4096, 2), (2, 2, 1 << 20, 2),  # a core per rank: a pack each from 16 KiB
+    (3, 2, 4096, 1), (3, 2, (16 << 20) // 4 - 1, 1), (3, 2, (16 << 20) // 4, 3),  # oversubscribed: from 16 MiB
+    (1, 2, 1 << 20, 1), (4, 8, 1 << 20, 4)])
+def test_num_packs_is_chosen_per_call_where_the_user_set_none(world, cpus, numel, packs):
+    plan = torch_hca.explain(world, numels=[numel], cpus=cpus)
+    assert len(plan.packs) == packs
+    assert f"num_packs chosen per call: {packs} (a pack per rank from " in plan.text
+    assert sorted(pack["numel"] for pack in plan.packs) == sorted(
+        numel // packs + (i < numel % packs) for i in range(packs))
+    # What the user sets wins; reduce_to_one_device does not rotate its leader: one pack.
+    assert len(torch_hca.explain(world, num_packs=1, numels=[numel], cpus=cpus).packs) == 1
+    assert len(torch_hca.explain(world, "reduce_to_one_device", numels=[numel], cpus=cpus).packs) == 1
+    assert "chosen per call" not in torch_hca.explain(world, num_packs=2, numels=[numel], cpus=cpus).text

@@ -123,3 +123,19 @@ def test_check_passes_and_says_so(tmp_path):
     assert "hierarchy: groups [[0, 1, 2]]" in out.stdout and "step 1: reduce" in out.stdout
     log = (tmp_path / "check.log").read_text().splitlines()
     assert sum(line.startswith("ok ") for line in log) == total
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
+@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX"])
+def test_references_leave_their_inputs_alone(dtype, op):
+    """A float64 input's to(float64) is the input itself: the reference must copy before it sums."""
+    if not torch_hca.reference.supported(dtype, op):
+        pytest.skip("AVG of integers")
+    inputs = [torch_hca.reference.make_input(3, r, 50, dtype, op) for r in range(3)]
+    before = [t.clone() for t in inputs]
+    want = torch.stack([t.to(torch.float64) for t in before])
+    want = {"SUM": want.sum(0), "AVG": want.mean(0), "PRODUCT": want.prod(0), "MIN": want.min(0).values,
+            "MAX": want.max(0).values}[op].to(dtype)
+    torch.testing.assert_close(torch_hca.reference.reduce_reference(inputs, op), want)
+    for t, b in zip(inputs, before):
+        assert torch.equal(t, b)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import _C, topology
 from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
-from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
+from .options import Options, cpu_executor, pack_per_rank_from_bytes, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
@@ -57,7 +57,8 @@ def check_same_options(store, rank, size, options, timeout_ms):
     for field in dataclasses.fields(Options):
         by_value = {}
         for r, report in enumerate(reports):
-            by_value.setdefault(json.dumps(report[field.name]), []).append(r)
+            value = report[field.name]
+            by_value.setdefault("unset" if value is None else json.dumps(value), []).append(r)
         if len(by_value) > 1:
             held = "; ".join(f"{value} on {'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
                              for value, ranks in by_value.items())
@@ -79,8 +80,10 @@ def incarnation_store(store, rank):
 def _node_group(store, rank, size, timeout_ms, options):
     """hca's own group over the ranks of one node, its hierarchy from where they run (groups="auto")."""
     cpu, cuda, places = topology.resolve(options.groups, store, rank, size, timeout_ms)
+    cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
+    threshold = pack_per_rank_from_bytes(size, len(set().union(*(json.loads(c) for c in cpus))))
     group = _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
-                               options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
+                               options=options.plan_options(cpu.groups, threshold), cuda_groups=cuda.groups,
                                shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())

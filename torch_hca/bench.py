@@ -228,7 +228,8 @@ def run(args):
     timer_group = dist.group.WORLD
     options = hca_options(args)
     shown = options or Options.from_env()
-    describe = {"hca": f"algorithm={shown.algorithm}, num_packs={shown.num_packs}"}
+    packs = "per call" if shown.num_packs is None else shown.num_packs
+    describe = {"hca": f"algorithm={shown.algorithm}, num_packs={packs}"}
     backends = ["hca"] + [b for b in args.compare.split(",") if b]
     rows, skipped = [], []
     with tqdm(total=len(backends) * len(sizes), disable=rank != 0 or None, file=sys.stderr,

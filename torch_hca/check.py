@@ -38,7 +38,8 @@ SHOWN_FAILURES = 10
 
 def modes(world):
     """(name, Options) of every algorithm checked."""
-    return [("hierarchical_copy", Options("hierarchical_copy", num_packs=1)),
+    return [("defaults (packs chosen per call)", Options()),
+            ("hierarchical_copy", Options("hierarchical_copy", num_packs=1)),
             (f"hierarchical_copy num_packs={world}", Options("hierarchical_copy", num_packs=world)),
             ("reduce_to_one_device", Options("reduce_to_one_device")),
             ("nccl pass-through", Options("nccl", num_packs=2))]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import List, Optional, Sequence, Union
 
 from . import _C, topology
-from .options import Options, shm_chunk_bytes
+from .options import Options, pack_per_rank_from_bytes, shm_chunk_bytes
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ class NodePlan:
 def explain(
     world_size: int,
     algorithm: str = "hierarchical_copy",
-    num_packs: int = 1,
+    num_packs: Optional[int] = None,
     groups: Union[str, Sequence[Sequence[int]], None] = "auto",
     reduce_to_device: Optional[int] = None,
     numels: Sequence[int] = (1024,),
@@ -70,6 +71,7 @@ def explain(
     inter_node_backend: Optional[str] = None,
     numa_nodes: Optional[Sequence[Sequence[int]]] = None,
     packages: Optional[Sequence[Sequence[int]]] = None,
+    cpus: Optional[int] = None,
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
@@ -78,7 +80,9 @@ def explain(
     rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
     NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
-    CPU packages); TF's halves where these are not given. Prints it if verbose."""
+    CPU packages); TF's halves where these are not given. num_packs=None (the default) shows the
+    packing chosen per call, for ranks that run on `cpus` CPUs between them (default: the CPUs
+    this process may run on). Prints it if verbose."""
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
     hierarchy = _hierarchy(options.groups, world_size, numa_nodes, packages)
@@ -96,12 +100,23 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        packs, text, roles, rounds = _C.plan(collective, world_size, numels, options.plan_options(hierarchy.groups),
+        threshold = pack_per_rank_from_bytes(world_size, len(os.sched_getaffinity(0)) if cpus is None else cpus)
+        packs, text, roles, rounds = _C.plan(collective, world_size, numels,
+                                             options.plan_options(hierarchy.groups, threshold),
                                              root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
-        plan = Plan(list(packs), f"{hierarchy}\n{text}", list(roles), [list(r) for r in rounds], hierarchy)
+        plan = Plan(list(packs), f"{hierarchy}\n{_packing_choice(options, collective, threshold, len(packs))}{text}",
+                    list(roles), [list(r) for r in rounds], hierarchy)
     if verbose:
         print(plan)
     return plan
+
+
+def _packing_choice(options, collective, threshold, packs) -> str:
+    """The line that says how many packs the call gets and why, where hca chose it."""
+    if options.num_packs is not None or options.algorithm != "hierarchical_copy" or collective != "allreduce":
+        return ""
+    return (f"num_packs chosen per call: {packs} (a pack per rank from {threshold} bytes, "
+            f"num_packs=None; set num_packs to fix it)\n")
 
 
 def _hierarchy(groups, world_size, numa_nodes, packages) -> topology.Hierarchy:
@@ -126,7 +141,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("world_size", type=int)
     parser.add_argument("--algorithm", default="hierarchical_copy")
-    parser.add_argument("--num-packs", type=int, default=1)
+    parser.add_argument("--num-packs", type=int, help="default: chosen per call")
     parser.add_argument("--groups", help='e.g. "0,1,2,3;4,5,6,7"')
     parser.add_argument("--reduce-to-device", type=int)
     parser.add_argument("--numels", default="1024", help="comma-separated tensor sizes")

@@ -24,6 +24,9 @@ class Options:
     algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl" (hca's packing
         in front of a stock engine: a wrapper backend, not a schedule).
     num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
+        None (the default): chosen per call (`pack_per_rank_from_bytes`) for hierarchical_copy on
+        CPU tensors in one node; 1 elsewhere (reduce_to_one_device, CUDA tensors, across nodes,
+        the nccl pass-through).
     reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
         of `reduce`, else rank 0).
     groups: the hierarchy's groups of ranks: "auto" (default: ranks that share a CPU package or
@@ -38,7 +41,7 @@ class Options:
     """
 
     algorithm: str = "hierarchical_copy"
-    num_packs: int = 1
+    num_packs: Optional[int] = None
     reduce_to_device: Optional[int] = None
     groups: Union[str, Sequence[Sequence[int]], None] = "auto"
     agg_small_grads_max_bytes: int = 0
@@ -51,7 +54,8 @@ class Options:
         if self.inter_node_backend is not None and self.inter_node_backend not in INTER_NODE_BACKENDS:
             raise ValueError(f"inter_node_backend: unknown engine {self.inter_node_backend!r} "
                              f"(expected one of {', '.join(INTER_NODE_BACKENDS)}, or None)")
-        _check_int("num_packs", self.num_packs)
+        if self.num_packs is not None:
+            _check_int("num_packs", self.num_packs)
         _check_int("agg_small_grads_max_bytes", self.agg_small_grads_max_bytes, limit=2**63 - 1)
         _check_int("agg_small_grads_max_group", self.agg_small_grads_max_group)
         if self.reduce_to_device is not None:
@@ -76,18 +80,23 @@ class Options:
         if self.algorithm != "nccl":
             self.plan_options()
 
-    def packing_options(self) -> "_C.PackingOptions":
-        """The packing, validated by the plan (ValueError naming the option)."""
-        return _C.PackingOptions(self.num_packs, self.agg_small_grads_max_bytes, self.agg_small_grads_max_group)
+    def packing_options(self, pack_per_rank_from_bytes: int = 0) -> "_C.PackingOptions":
+        """The packing, validated by the plan (ValueError naming the option). With num_packs None,
+        a call of `pack_per_rank_from_bytes` or more gets a pack per rank (0: never)."""
+        chosen = self.num_packs is None
+        return _C.PackingOptions(1 if chosen else self.num_packs, self.agg_small_grads_max_bytes,
+                                 self.agg_small_grads_max_group, pack_per_rank_from_bytes if chosen else 0)
 
-    def plan_options(self, groups: Optional[Sequence[Sequence[int]]] = None) -> "_C.PlanOptions":
+    def plan_options(self, groups: Optional[Sequence[Sequence[int]]] = None,
+                     pack_per_rank_from_bytes: int = 0) -> "_C.PlanOptions":
         """Everything the plan needs, validated by it; the world-dependent rules run in `validate_for`.
         `groups`: the groups "auto" or "halves" resolved to (default: the given groups, else halves)."""
         if self.algorithm == "nccl":
             raise ValueError("algorithm: 'nccl' hands packs to a stock engine; it has no schedule")
         if groups is None:
             groups = () if isinstance(self.groups, str) else self.groups
-        return _C.PlanOptions(self.algorithm, self.packing_options(), self.reduce_to_device, [list(g) for g in groups])
+        return _C.PlanOptions(self.algorithm, self.packing_options(pack_per_rank_from_bytes), self.reduce_to_device,
+                              [list(g) for g in groups])
 
     @classmethod
     def from_env(cls, environ=None) -> "Options":
@@ -109,6 +118,21 @@ class Options:
             return cls(**values)
         except ValueError as e:
             raise ValueError(f"from the environment: {e}") from None
+
+
+# Where num_packs is chosen per call, an all-reduce of at least this many bytes gets a pack per
+# rank, so that every rank leads the reduction of a part. Measured with `python -m
+# torch_hca.bench` on 2 vCPUs (2026-11-26): 2 ranks, a pack each was 1.1-3.6x faster than one
+# pack from 4 KiB to 16 MiB and slower below 4 KiB; 3 ranks on those 2 cores (they take turns),
+# 1.3x faster from 16 MiB and up to 1.4x slower below.
+PACK_PER_RANK_FROM_BYTES = 16 << 10
+PACK_PER_RANK_FROM_BYTES_OVERSUBSCRIBED = 16 << 20
+
+
+def pack_per_rank_from_bytes(world: int, cpus: int) -> int:
+    """From how many bytes an all-reduce gets a pack per rank, for `world` ranks that run on
+    `cpus` CPUs between them (all ranks compute it from the same reports: they agree)."""
+    return PACK_PER_RANK_FROM_BYTES if cpus >= world else PACK_PER_RANK_FROM_BYTES_OVERSUBSCRIBED
 
 
 def _check_int(name, value, limit=2**31 - 1):

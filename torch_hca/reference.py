@@ -54,7 +54,7 @@ def reduce_reference(inputs, op):
     for t in inputs:
         x, dtype, count = t.to(torch.float64), t.dtype, count + 1
         if acc is None:
-            acc = x
+            acc = x.clone()  # to() returns a float64 input itself: never sum into the caller's tensor
         elif op in ("SUM", "AVG"):
             acc += x
         elif op == "PRODUCT":

@@ -110,13 +110,15 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<PackingOptions>(m, "PackingOptions")
-      .def(py::init([](int num_packs, long long agg_bytes, int agg_group) {
-             PackingOptions packing{num_packs, agg_bytes, agg_group};
+      .def(py::init([](int num_packs, long long agg_bytes, int agg_group, long long pack_per_rank_from_bytes) {
+             PackingOptions packing{num_packs, agg_bytes, agg_group, pack_per_rank_from_bytes};
              validate(packing);
              return packing;
            }),
-           py::arg("num_packs"), py::arg("agg_small_grads_max_bytes"), py::arg("agg_small_grads_max_group"))
+           py::arg("num_packs"), py::arg("agg_small_grads_max_bytes"), py::arg("agg_small_grads_max_group"),
+           py::arg("pack_per_rank_from_bytes") = 0)
       .def_readonly("num_packs", &PackingOptions::num_packs)
+      .def_readonly("pack_per_rank_from_bytes", &PackingOptions::pack_per_rank_from_bytes)
       .def_readonly("agg_small_grads_max_bytes", &PackingOptions::agg_small_grads_max_bytes)
       .def_readonly("agg_small_grads_max_group", &PackingOptions::agg_small_grads_max_group);
 

@@ -24,6 +24,7 @@ void validate(const PackingOptions& packing) {
   if (packing.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
   if (packing.agg_small_grads_max_bytes < 0) throw std::invalid_argument("agg_small_grads_max_bytes: must be >= 0");
   if (packing.agg_small_grads_max_group < 0) throw std::invalid_argument("agg_small_grads_max_group: must be >= 0");
+  if (packing.pack_per_rank_from_bytes < 0) throw std::invalid_argument("pack_per_rank_from_bytes: must be >= 0");
 }
 
 void validate(const PlanOptions& options) {
@@ -53,7 +54,9 @@ std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int
   Groups storage;
   const Groups& groups = groups_or_default(options, world, storage);
   std::vector<PackPlan> plan;
-  for (auto& pack : make_packs(tensors, options.packing)) {
+  // Only hierarchical copy rotates its leaders over the packs: there, packs spread the work.
+  const bool rotates = options.algorithm == Algorithm::HierarchicalCopy;
+  for (auto& pack : make_packs(tensors, rotates ? packing_for_call(tensors, world, options.packing) : options.packing)) {
     Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
                             ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
                             : hierarchical_allreduce(groups, world, pack.index);
