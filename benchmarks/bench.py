@@ -35,7 +35,7 @@ def backends(world, device):
     """(label, backend, hca options) for every contender."""
     import torch_hca
 
-    rows = [("gloo", "gloo", None), ("hca (defaults: packs chosen per call)", "hca", torch_hca.Options()),
+    rows = [("gloo", "gloo", None), (DEFAULTS, "hca", torch_hca.Options()),
             ("hca/hierarchical_copy", "hca", torch_hca.Options("hierarchical_copy", num_packs=1))]
     if world > 1:
         rows.append((f"hca/hierarchical_copy(num_packs={world})", "hca",
@@ -225,6 +225,35 @@ def print_batches(batches):
               f"{r['backend']:<42} {r['time_us'] / 1e3:9.2f} ms  ({base['time_us'] / r['time_us']:.2f}x gloo)")
 
 
+DEFAULTS = "hca (defaults: packs chosen per call)"
+
+
+def defaults_vs_best(rows):
+    """Per (op, ranks, size): hca's defaults beside the fastest fixed hca setting, and their ratio."""
+    out = []
+    for key in dict.fromkeys((r["op"], r["world_size"], r["size"]) for r in rows):
+        here = [r for r in rows if (r["op"], r["world_size"], r["size"]) == key]
+        default = next((r for r in here if r["backend"] == DEFAULTS), None)
+        fixed = [r for r in here if r["backend"].startswith("hca/")]
+        if default and fixed:
+            best = min(fixed, key=lambda r: r["time_us"])
+            out.append(dict(op=key[0], world_size=key[1], size=key[2], default_us=default["time_us"],
+                            best_fixed=best["backend"], best_fixed_us=best["time_us"],
+                            ratio=default["time_us"] / best["time_us"]))
+    return out
+
+
+def print_defaults_vs_best(table):
+    if not table:
+        return
+    print("\n# hca's defaults beside its fastest fixed setting (ratio > 1: the defaults are slower)")
+    print("| op | ranks | size | defaults (us) | fastest fixed | its time (us) | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for t in table:
+        print(f"| {t['op']} | {t['world_size']} | {t['size']} | {t['default_us']:.1f} | {t['best_fixed'][4:]} | "
+              f"{t['best_fixed_us']:.1f} | {t['ratio']:.2f} |")
+
+
 def print_speedups(speedups):
     """A markdown table: per op, ranks and size, gloo's time over each hca row's time."""
     if not speedups:
@@ -327,6 +356,8 @@ def main(argv=None):
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth ({'device to device' if device == 'cuda' else 'one core'}): {memcpy:.2f} GB/s")
     print_speedups(speedups)
+    defaults = defaults_vs_best(rows)
+    print_defaults_vs_best(defaults)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") + "-" if device == "cuda" else ""
@@ -334,7 +365,8 @@ def main(argv=None):
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, batches=batches, latency=latency, speedup_vs_gloo=speedups), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, batches=batches, latency=latency, speedup_vs_gloo=speedups,
+                       defaults_vs_best=defaults), f, indent=1)
     if rows:
         bound = f"bound: {'device-to-device copy' if device == 'cuda' else 'one core memcpy'} {memcpy:.1f} GB/s"
         plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}", memcpy, bound)
