@@ -83,6 +83,32 @@ def test_other_collectives_reach_the_engine(world):
     assert run_ranks(_forwarded, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
 
 
+def _after_the_engine(rank, world):
+    """AVG and PREMUL_SUM: gloo sums and hca divides or scales after. An async call then a call on
+    the same tensor: the second must see the first's division, not the engine's bare sum (at
+    be511c3 it did not: the engine started the second call before hca had divided)."""
+    errors = []
+    for op, scale in ((dist.ReduceOp.AVG, 1.0 / world), (dist._make_nccl_premul_sum(0.5), 0.5)):
+        inputs = [make_input(30, r, 100_003, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        first = dist.all_reduce(t, op=op, async_op=True)
+        dist.all_reduce(t, op=op)  # blocking: returns with both done
+        first.wait()
+        want = (sum(x.double() for x in inputs) * scale * world * scale).float()
+        errors.append(mismatch(f"two calls {op}", t, want, world))
+        t = inputs[rank].clone()
+        first = dist.all_reduce(t, op=op, async_op=True)
+        dist.broadcast(t, src=0)  # another op the engine takes at once
+        first.wait()
+        errors.append(mismatch(f"then broadcast {op}", t, (sum(x.double() for x in inputs) * scale).float(), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_after_an_averaging_call_sees_its_result(world):
+    assert run_ranks(_after_the_engine, world, pg_options=torch_hca.Options("nccl", num_packs=2)) == [[]] * world
+
+
 def test_tf_style_argument_check():
     with pytest.raises(ValueError, match="all_reduce_alg"):
         torch_hca.AllReduceCrossDeviceOps(all_reduce_alg="ring")

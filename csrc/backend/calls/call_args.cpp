@@ -161,7 +161,7 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
       const auto index = static_cast<size_t>(op.op_);
       TORCH_CHECK_VALUE(false, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
                         " is not supported (SUM, AVG, PRODUCT, MIN, MAX; PREMUL_SUM in all_reduce and "
-                        "reduce_scatter of the hierarchical_copy and reduce_to_one_device algorithms on one node)");
+                        "reduce_scatter on one node)");
     }
   }
 }

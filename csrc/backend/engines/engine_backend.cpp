@@ -65,7 +65,7 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
-  return calls_(*this, {"gather", inputs, flattened(outputs)}, opts.asyncOp,
+  return issue({"gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] { return engine(inputs[0], "gather").gather(outputs, inputs, opts); });
 }
 
@@ -73,7 +73,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
-  return calls_(*this, {"scatter", flattened(inputs), outputs}, opts.asyncOp,
+  return issue({"scatter", flattened(inputs), outputs}, opts.asyncOp,
                 [&] { return engine(outputs[0], "scatter").scatter(outputs, inputs, opts); });
 }
 
@@ -81,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& output_splits,
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
-  return calls_(*this, {"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
+  return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
     return engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
   });
 }
@@ -90,7 +90,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "alltoall");
-  return calls_(*this, {"all_to_all", inputs, outputs}, opts.asyncOp,
+  return issue({"all_to_all", inputs, outputs}, opts.asyncOp,
                 [&] { return engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts); });
 }
 
@@ -98,26 +98,41 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
-  return calls_(*this, {"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
+  return issue({"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] { return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "send");
-  return calls_(*this, CommsCall::message("send", tensors, dst), true,
+  return issue(CommsCall::message("send", tensors, dst), true,
                 [&] { return engine(tensors[0], "send").send(tensors, dst, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
-  return calls_(*this, CommsCall::message("recv", tensors, src), true,
+  return issue(CommsCall::message("recv", tensors, src), true,
                 [&] { return engine(tensors[0], "recv").recv(tensors, src, tag); });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
-  return calls_(*this, CommsCall::message("recv", tensors, -1), true,
+  return issue(CommsCall::message("recv", tensors, -1), true,
                 [&] { return engine(tensors[0], "recv").recvAnysource(tensors, tag); });
+}
+
+void EngineBackend::post_step(c10::intrusive_ptr<c10d::Work> work) {
+  std::lock_guard<std::mutex> lock(post_step_mutex_);
+  post_step_ = std::move(work);
+}
+
+void EngineBackend::settle_post_step() {
+  c10::intrusive_ptr<c10d::Work> pending;
+  {
+    std::lock_guard<std::mutex> lock(post_step_mutex_);
+    pending = std::move(post_step_);
+  }
+  // Its error, if any, is its own call's to report.
+  if (pending) pending->getFuture()->wait();
 }
 
 }  // namespace hca

@@ -2,6 +2,7 @@
 // engines over the same ranks, chosen by the tensors' device: the base of the
 // `nccl` algorithm's wrapper and of the group across nodes.
 #pragma once
+#include <mutex>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
@@ -55,7 +56,20 @@ class EngineBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  protected:
-  CallRecorder calls_;  // every public call goes through it
+  CallRecorder calls_;  // every public call goes through it (issue)
+  // A public call: counted by the recorder, issued once the post-step of an
+  // earlier call (post_step) has run. The engines start a call at once, and it
+  // must see what that post-step wrote.
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> issue(const CommsCall& call, bool async_op, Issue&& issue_call) {
+    settle_post_step();
+    return calls_(*this, call, async_op, std::forward<Issue>(issue_call));
+  }
+  // `work` runs hca's own arithmetic on an engine's results after the engine's
+  // call (AVG's division, PREMUL_SUM's factor, on CPU tensors): the next call waits for it.
+  void post_step(c10::intrusive_ptr<c10d::Work> work);
+  // Waits for that post-step (issue does; a call that reaches an engine before issue, too).
+  void settle_post_step();
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
   c10d::Backend& cpu_engine(const char* op) const {
@@ -70,6 +84,8 @@ class EngineBackend : public c10d::Backend {
  private:
   OwningProcess owner_;
   Engines engines_;
+  std::mutex post_step_mutex_;
+  c10::intrusive_ptr<c10d::Work> post_step_;
 };
 
 }  // namespace hca

@@ -8,6 +8,34 @@
 
 namespace hca {
 
+void PostScale::apply(const at::Tensor& result) const {
+  at::NoGradGuard no_grad;
+  if (tensor_factor.defined()) {
+    result.mul_(tensor_factor);
+  } else {
+    result.mul_(factor);
+  }
+}
+
+namespace {
+
+std::optional<PostScale> post_scale(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors,
+                                    const char* name) {
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM || tensors.empty() || !tensors[0].is_cpu()) return std::nullopt;
+  for (const auto& t : tensors) {
+    TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "hca ", name, ": ReduceOp.PREMUL_SUM is not supported for ",
+                      t.scalar_type(), " (floating dtypes only)");
+  }
+  const auto* supplement = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(supplement, "hca ", name, ": ReduceOp.PREMUL_SUM without a factor (make it with "
+                    "torch.distributed._make_nccl_premul_sum(factor))");
+  PostScale scale{supplement->double_factor, {}};
+  if (supplement->tensor_factor.defined()) scale.tensor_factor = supplement->tensor_factor.to(at::kCPU);
+  return scale;
+}
+
+}  // namespace
+
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
                                        Engines engines)
     : EngineBackend(rank, size, std::move(engines)), timeout_(timeout), packing_(packing) {}
@@ -16,16 +44,24 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
                                                              const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
-    return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,  // sparse: the engine's own form
-                  [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
+    return issue({"allreduce", tensors, tensors}, opts.asyncOp,  // sparse: the engine's own form
+                 [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
   }
   CallArgs args("allreduce", tensors);
-  args.reduce_op(opts.reduceOp);  // the same ops as the other algorithms
+  const auto scale = post_scale(opts.reduceOp, tensors, "allreduce");
+  if (!scale && !(opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM && args.device().is_cuda())) {
+    args.reduce_op(opts.reduceOp);  // the same ops as the other algorithms
+  }
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
-  auto packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
-                                                        make_packs(args.descs(), packing_), opts.reduceOp, timeout);
-  std::function<void()> body = [packed, args] {
+  settle_post_step();  // the packs reach the engine here, before issue
+  auto packed = std::make_shared<nccl::PackedAllreduce>(
+      engine(tensors[0], "allreduce"), args.dense(), make_packs(args.descs(), packing_),
+      scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp, timeout);
+  std::function<void()> body = [packed, args, scale] {
     packed->finish();
+    if (scale) {
+      for (const auto& t : args.dense()) scale->apply(t);
+    }
     args.write_back();
   };
   // CUDA: the engine's results are divided and copied back on this group's
@@ -35,9 +71,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
     call = cuda_call_streams_->call(args.device());
     body = issued_and_waited(call, call->keep(CallTensors{std::move(args), tensors}), std::move(body));
   }
-  return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp, [&] {
+  const bool after_engine = (scale || opts.reduceOp == c10d::ReduceOp::AVG) && args.device().is_cpu();
+  return issue({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
     auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body),
                                              std::move(call));
+    if (after_engine) post_step(work);
     queue_.submit(work, !opts.asyncOp);
     return work;
   });
@@ -51,14 +89,14 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce_coalesced(std::vect
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  return calls_(*this, {"broadcast", tensors, tensors}, opts.asyncOp,
+  return issue({"broadcast", tensors, tensors}, opts.asyncOp,
                 [&] { return engine(tensors[0], "broadcast").broadcast(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
-  return calls_(*this, {"reduce", tensors, tensors}, opts.asyncOp,
+  return issue({"reduce", tensors, tensors}, opts.asyncOp,
                 [&] { return engine(tensors[0], "reduce").reduce(tensors, opts); });
 }
 
@@ -66,20 +104,20 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather");
-  return calls_(*this, {"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
+  return issue({"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] { return engine(inputs[0], "allgather").allgather(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
-  return calls_(*this, {"_allgather_base", {input}, {output}}, opts.asyncOp,
+  return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
                 [&] { return engine(input, "allgather_into_tensor")._allgather_base(output, input, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
-  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
+  return issue({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
     return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outputs, inputs, opts);
   });
 }
@@ -88,26 +126,56 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "reduce_scatter");
-  return calls_(*this, {"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp,
-                [&] { return engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, opts); });
+  const auto scale = post_scale(opts.reduceOp, flattened(inputs), "reduce_scatter");
+  return issue({"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
+    return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, summing(opts, scale)),
+                        outputs, scale, opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  return calls_(*this, {"_reduce_scatter_base", {input}, {output}}, opts.asyncOp,
-                [&] { return engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, opts); });
+  const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
+  return issue({"_reduce_scatter_base", {input}, {output}}, opts.asyncOp, [&] {
+    return scaled_after(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, summing(opts, scale)),
+                        {output}, scale, opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    return engine(inputs[0], "reduce_scatter_tensor").reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
+  return issue({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
+    return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
+                            .reduce_scatter_tensor_coalesced(outputs, inputs, summing(opts, scale)),
+                        outputs, scale, opts.asyncOp);
   });
 }
 
+c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatterOptions& opts,
+                                                       const std::optional<PostScale>& scale) {
+  c10d::ReduceScatterOptions engine_opts = opts;
+  if (scale) engine_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  return engine_opts;
+}
+
+c10::intrusive_ptr<c10d::Work> PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
+                                                                std::vector<at::Tensor> results,
+                                                                const std::optional<PostScale>& scale, bool async_op) {
+  if (!scale) return engine_work;
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::REDUCE_SCATTER, results,
+                                           [engine_work, results, scale = *scale] {
+                                             engine_work->wait();
+                                             for (const auto& r : results) scale.apply(r);
+                                           });
+  post_step(work);
+  queue_.submit(work, !async_op);
+  return work;
+}
+
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOptions& opts) {
-  return calls_(*this, {"barrier", {}, {}}, opts.asyncOp, [&] { return cpu_engine("barrier").barrier(opts); });
+  return issue({"barrier", {}, {}}, opts.asyncOp, [&] { return cpu_engine("barrier").barrier(opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::endCoalescing() {

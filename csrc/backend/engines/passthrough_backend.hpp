@@ -4,12 +4,22 @@
 // the engine as it is.
 #pragma once
 #include <atomic>
+#include <optional>
 #include "../../plan/packing.h"
 #include "../calls/stream_call.hpp"
 #include "../calls/work_hca.hpp"
 #include "engine_backend.hpp"
 
 namespace hca {
+
+// PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
+// results are multiplied by the factor after, in the call's turn (as AVG divides
+// after the sum). NCCL (CUDA tensors) has PREMUL_SUM and gets it as it is.
+struct PostScale {
+  double factor = 1.0;
+  at::Tensor tensor_factor;  // where the factor is a one-element tensor
+  void apply(const at::Tensor& result) const;
+};
 
 class PassthroughBackend : public EngineBackend {
  public:
@@ -60,6 +70,13 @@ class PassthroughBackend : public EngineBackend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
+  // The engine's options for a reduce-scatter: SUM where `scale` multiplies after.
+  static c10d::ReduceScatterOptions summing(const c10d::ReduceScatterOptions& opts,
+                                            const std::optional<PostScale>& scale);
+  // `engine_work`, or (with a scale) a Work that waits for it and then scales `results`.
+  c10::intrusive_ptr<c10d::Work> scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
+                                              std::vector<at::Tensor> results, const std::optional<PostScale>& scale,
+                                              bool async_op);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
   std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();  // null without CUDA
