@@ -331,7 +331,7 @@ def main(argv=None):
         sizes.append(n)
         n *= args.step
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    ops = args.ops.split(",")
+    ops = [{"allreduce": "all_reduce"}.get(op, op) for op in args.ops.split(",")]  # the old name, in recorded commands
     pin = ([int(c) for c in args.pin_cores.split(",")] if args.pin_cores
            else list(range(os.cpu_count())) if args.pin else None)
     runs = [(int(w), [op for op in ops if op != "latency"]) for w in args.world_sizes.split(",")]

@@ -7,6 +7,7 @@
 #   probes    tools/gpu_probes.py (a peer's wait must not stall a kernel; CUDA IPC on one GPU)
 #   tests:N   slice N (1-3) of the tests with `cuda` in their id; tests:FILE one test file's
 #   memcheck  compute-sanitizer memcheck on a small 2-rank allreduce
+#   check     python -m torch_hca.check on CUDA tensors, 2 and 3 ranks on the GPU(s) (every op, dtype, algorithm)
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
 #             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes)
@@ -107,23 +108,28 @@ run_phase() {
       echo "compute-sanitizer not found: memcheck skipped"
     fi
     ;;
+  check)
+    bounded "$(left)" $PYTHON -m torch_hca.check --device "$(has_gpu && echo cuda || echo cpu)" --world-sizes 2,3 \
+      --json "$OUT/check.json" \
+      --log "$LOGS/check.log"
+    ;;
   bench)
     # shellcheck disable=SC2086
     bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --out "$OUT" \
-      ${BENCH_ARGS:---world-sizes 1,2,3,4 --ops allreduce,latency --latency-world-sizes 1,2,4}
+      ${BENCH_ARGS:---world-sizes 1,2,3,4 --ops all_reduce,latency --latency-world-sizes 1,2,4}
     ;;
   perf)
     local chunk rc=0 runs=3
     for chunk in 1 8 64; do
       TORCH_HCA_CUDA_CHUNK_BYTES=$((chunk << 20)) bounded "$(( $(left) / runs ))" $PYTHON benchmarks/bench.py \
-        --world-sizes 1,2 --ops allreduce --step 16 --out "$OUT/perf/chunk${chunk}MiB" || rc=1
+        --world-sizes 1,2 --ops all_reduce --step 16 --out "$OUT/perf/chunk${chunk}MiB" || rc=1
       runs=$((runs - 1))
     done
     rm -f "$OUT"/perf/*/*.png  # the JSON holds the numbers; the device tool brings back 8 files at most
     return $rc
     ;;
   *)
-    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck bench perf)"
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench perf)"
     return 2
     ;;
   esac
