@@ -12,8 +12,14 @@ deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -r requirements-dev.txt
 
-build: deps
+# The extension is installed again only when a source or setup.py changed: pip's editable install
+# compiles every file again, in a fresh temporary folder, each time it runs.
+EXT_STAMP := build/installed.stamp
+build: deps $(EXT_STAMP)
+
+$(EXT_STAMP): setup.py $(shell find csrc -type f)
 	$(PIP) install --no-build-isolation -e . -q
+	@mkdir -p build && touch $@
 
 run: build bench
 
