@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch_hca.bench import bus_factor, iterations, measure, median_seconds, parse_size, print_table
+from torch_hca.reference import rank_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,13 +45,6 @@ def backends(world, device):
     if device == "cuda" and dist.is_nccl_available() and world <= torch.cuda.device_count():
         rows.append(("nccl", "nccl", None))
     return rows
-
-
-def rank_device(device, rank):
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def synchronized(fn, dev):

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import reference
+
 
 def launched_by_torchrun(environ=None) -> bool:
     environ = os.environ if environ is None else environ
@@ -40,12 +42,8 @@ def _spawned(rank, world, init_method, main, args):
 
 
 def rank_device(device: str) -> torch.device:
-    """This rank's device: CUDA ranks share the visible GPUs round-robin by local rank (several
-    ranks on one GPU run with hca), CPU ranks use the CPU."""
+    """This rank's device ("auto": cuda where a GPU is): CUDA ranks share the visible GPUs
+    round-robin by local rank (several ranks on one GPU run with hca)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device)
+    return reference.rank_device(device, int(os.environ.get("LOCAL_RANK", dist.get_rank())))

@@ -133,12 +133,7 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
       TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",
                         dtype_name(d.dtype), " (floating dtypes only)");
     }
-    // torch makes PREMUL_SUM only with this supplement (c10d::makeNCCLPreMulSum), as ProcessGroupNCCL reads it.
-    const auto* factor = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-    TORCH_CHECK_VALUE(factor, "hca ", name_, ": ReduceOp.PREMUL_SUM without a factor (make it with "
-                      "torch.distributed._make_nccl_premul_sum(factor))");
-    factor_ = factor->double_factor;
-    if (factor->tensor_factor.defined()) factor_tensor_ = factor->tensor_factor.to(device_);
+    factor_ = PremulFactor::of(op, name_, device_);
     for (size_t i = scaled->first; i < scaled->first + scaled->count; ++i) {
       // Allocated now, so that the plan addresses them; written in the call's turn.
       if (scaled->copies) dense_[i] = at::empty_like(dense_[i], at::MemoryFormat::Contiguous);
@@ -166,17 +161,30 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   }
 }
 
+PremulFactor PremulFactor::of(const c10d::ReduceOp& op, const char* name, const at::Device& device) {
+  // torch makes PREMUL_SUM only with this supplement (c10d::makeNCCLPreMulSum), as ProcessGroupNCCL reads it.
+  const auto* supplement = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK_VALUE(supplement, "hca ", name, ": ReduceOp.PREMUL_SUM without a factor (make it with "
+                    "torch.distributed._make_nccl_premul_sum(factor))");
+  PremulFactor factor{supplement->double_factor, {}};
+  if (supplement->tensor_factor.defined()) factor.tensor = supplement->tensor_factor.to(device);
+  return factor;
+}
+
+void PremulFactor::multiply(const at::Tensor& target, const at::Tensor& source) const {
+  at::NoGradGuard no_grad;  // the backend's own arithmetic: never recorded, whatever the thread's mode
+  at::Tensor out = target;
+  if (tensor.defined()) {
+    at::mul_out(out, source, tensor);
+  } else {
+    at::mul_out(out, source, number);
+  }
+}
+
 void CallArgs::premultiply() const {
   if (!scaled_) return;
-  at::NoGradGuard no_grad;  // the backend's own arithmetic: never recorded, whatever the thread's mode
   for (size_t i = scaled_->first; i < scaled_->first + scaled_->count; ++i) {
-    at::Tensor target = dense_[i];
-    const at::Tensor& source = scaled_->copies ? original_[i] : dense_[i];
-    if (factor_tensor_.defined()) {
-      at::mul_out(target, source, factor_tensor_);
-    } else {
-      at::mul_out(target, source, factor_);
-    }
+    factor_.multiply(dense_[i], scaled_->copies ? original_[i] : dense_[i]);
   }
 }
 

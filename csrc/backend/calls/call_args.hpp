@@ -30,6 +30,17 @@ struct Scaled {
   bool copies;
 };
 
+// PREMUL_SUM's factor (dist._make_nccl_premul_sum): a number, or a one-element tensor.
+struct PremulFactor {
+  double number = 1.0;
+  at::Tensor tensor;  // defined where the factor is a tensor, on the call's device
+  // The factor of `op`, a PREMUL_SUM of call `name` on `device`, or a ValueError
+  // where torch's supplement that carries it is missing.
+  static PremulFactor of(const c10d::ReduceOp& op, const char* name, const at::Device& device);
+  // target = source * factor (target may be source), never recorded by autograd.
+  void multiply(const at::Tensor& target, const at::Tensor& source) const;
+};
+
 class CallArgs {
  public:
   // `tensors` are every tensor the call touches (outputs, then inputs). Two
@@ -68,10 +79,9 @@ class CallArgs {
   at::Device device_{at::kCPU};
   std::vector<at::Tensor> original_, dense_;
   std::vector<TensorDesc> descs_;
-  // PREMUL_SUM's factor (a number, or a one-element tensor) and the tensors it scales.
+  // PREMUL_SUM's factor and the tensors it scales.
   c10::optional<Scaled> scaled_;
-  double factor_ = 1.0;
-  at::Tensor factor_tensor_;
+  PremulFactor factor_;
 };
 
 // The plan's element type for a tensor's dtype, or a TypeError naming it.

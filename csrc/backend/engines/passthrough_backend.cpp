@@ -7,31 +7,17 @@
 #include "../calls/stream_call.hpp"
 
 namespace hca {
-
-void PostScale::apply(const at::Tensor& result) const {
-  at::NoGradGuard no_grad;
-  if (tensor_factor.defined()) {
-    result.mul_(tensor_factor);
-  } else {
-    result.mul_(factor);
-  }
-}
-
 namespace {
 
-std::optional<PostScale> post_scale(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors,
-                                    const char* name) {
+// PREMUL_SUM's factor where hca multiplies after the engine's sum (CPU tensors), else none.
+std::optional<PremulFactor> post_scale(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors,
+                                       const char* name) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM || tensors.empty() || !tensors[0].is_cpu()) return std::nullopt;
   for (const auto& t : tensors) {
     TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "hca ", name, ": ReduceOp.PREMUL_SUM is not supported for ",
                       t.scalar_type(), " (floating dtypes only)");
   }
-  const auto* supplement = static_cast<const c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-  TORCH_CHECK_VALUE(supplement, "hca ", name, ": ReduceOp.PREMUL_SUM without a factor (make it with "
-                    "torch.distributed._make_nccl_premul_sum(factor))");
-  PostScale scale{supplement->double_factor, {}};
-  if (supplement->tensor_factor.defined()) scale.tensor_factor = supplement->tensor_factor.to(at::kCPU);
-  return scale;
+  return PremulFactor::of(op, name, at::kCPU);
 }
 
 }  // namespace
@@ -49,9 +35,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   }
   CallArgs args("allreduce", tensors);
   const auto scale = post_scale(opts.reduceOp, tensors, "allreduce");
-  if (!scale && !(opts.reduceOp.op_ == c10d::ReduceOp::PREMUL_SUM && args.device().is_cuda())) {
-    args.reduce_op(opts.reduceOp);  // the same ops as the other algorithms
-  }
+  // The same ops as the other algorithms; PREMUL_SUM is the engine's (NCCL) or post_scale's (gloo).
+  if (opts.reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) args.reduce_op(opts.reduceOp);
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
   settle_post_step();  // the packs reach the engine here, before issue
   auto packed = std::make_shared<nccl::PackedAllreduce>(
@@ -60,7 +45,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   std::function<void()> body = [packed, args, scale] {
     packed->finish();
     if (scale) {
-      for (const auto& t : args.dense()) scale->apply(t);
+      for (const auto& t : args.dense()) scale->multiply(t, t);
     }
     args.write_back();
   };
@@ -154,7 +139,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
 }
 
 c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatterOptions& opts,
-                                                       const std::optional<PostScale>& scale) {
+                                                       const std::optional<PremulFactor>& scale) {
   c10d::ReduceScatterOptions engine_opts = opts;
   if (scale) engine_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   return engine_opts;
@@ -162,12 +147,12 @@ c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatter
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
                                                                 std::vector<at::Tensor> results,
-                                                                const std::optional<PostScale>& scale, bool async_op) {
+                                                                const std::optional<PremulFactor>& scale, bool async_op) {
   if (!scale) return engine_work;
   auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::REDUCE_SCATTER, results,
                                            [engine_work, results, scale = *scale] {
                                              engine_work->wait();
-                                             for (const auto& r : results) scale.apply(r);
+                                             for (const auto& r : results) scale.multiply(r, r);
                                            });
   post_step(work);
   queue_.submit(work, !async_op);

@@ -6,20 +6,12 @@
 #include <atomic>
 #include <optional>
 #include "../../plan/packing.h"
+#include "../calls/call_args.hpp"
 #include "../calls/stream_call.hpp"
 #include "../calls/work_hca.hpp"
 #include "engine_backend.hpp"
 
 namespace hca {
-
-// PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
-// results are multiplied by the factor after, in the call's turn (as AVG divides
-// after the sum). NCCL (CUDA tensors) has PREMUL_SUM and gets it as it is.
-struct PostScale {
-  double factor = 1.0;
-  at::Tensor tensor_factor;  // where the factor is a one-element tensor
-  void apply(const at::Tensor& result) const;
-};
 
 class PassthroughBackend : public EngineBackend {
  public:
@@ -70,12 +62,15 @@ class PassthroughBackend : public EngineBackend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
+  // PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
+  // results are multiplied by the factor (`scale`) after, in the call's turn (as
+  // AVG divides after the sum). NCCL (CUDA tensors) has PREMUL_SUM and gets it as it is.
   // The engine's options for a reduce-scatter: SUM where `scale` multiplies after.
   static c10d::ReduceScatterOptions summing(const c10d::ReduceScatterOptions& opts,
-                                            const std::optional<PostScale>& scale);
+                                            const std::optional<PremulFactor>& scale);
   // `engine_work`, or (with a scale) a Work that waits for it and then scales `results`.
   c10::intrusive_ptr<c10d::Work> scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
-                                              std::vector<at::Tensor> results, const std::optional<PostScale>& scale,
+                                              std::vector<at::Tensor> results, const std::optional<PremulFactor>& scale,
                                               bool async_op);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
