@@ -19,6 +19,7 @@ from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks
 from reference import make_input, mismatch, reduce_reference
 from test_in_flight import _ddp, _fsdp2
 
+import torch_hca
 from torch_hca import _C
 
 model = _C._model
@@ -34,6 +35,13 @@ def own_devices(world, exclusive=None, **extra):
             env["TORCH_HCA_MODEL_EXCLUSIVE"] = exclusive
         envs.append(env)
     return envs
+
+
+def one_visible_device(world, exclusive, **extra):
+    """Each rank sees only its own physical device, as device 0: the launch of SLURM's
+    --gpus-per-task=1 or Kubernetes (CUDA_VISIBLE_DEVICES=<its GPU>)."""
+    return [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": str(r), "TORCH_HCA_MODEL_EXCLUSIVE": exclusive, **extra}
+            for r in range(world)]
 
 
 def _late_peer_calls(rank, world):
@@ -99,6 +107,43 @@ def test_a_rank_on_its_own_device_never_made_current(world, tmp_path):
         assert device == rank and contexts == [rank], (rank, device, contexts)
 
 
+def _staged_where(rank, world):
+    """Where the staging lives before and after the first collectives (each checked), and the
+    line explain adds for a running group."""
+    before = torch_hca.hierarchy()["staging"]["cpu"]
+    wrong = _late_peer_calls(rank, world)
+    line = torch_hca.explain(group=dist.group.WORLD, numels=[1000]).text.splitlines()[-1]
+    return [w for w in wrong if w], before, torch_hca.hierarchy()["staging"]["cpu"], line, model.contexts()
+
+
+def _launch(name, world, folder):
+    """Each rank's environment for a launch: who sees which physical devices."""
+    if name == "one_visible":
+        return one_visible_device(world, folder)
+    if name == "shared_and_hidden":  # ranks 0 and 1 share physical device 0; the last sees only device 1
+        return [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": "0" if r < world - 1 else "1"} for r in range(world)]
+    envs = own_devices(world, exclusive=folder)
+    if name == "host_asked_by_rank_0":
+        envs[0]["TORCH_HCA_CUDA_STAGING"] = "host"
+    return envs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("launch,staged", [("all_visible", "device memory"), ("one_visible", "host shared memory"),
+                                           ("shared_and_hidden", "host shared memory"),
+                                           ("host_asked_by_rank_0", "host shared memory")])
+def test_the_staging_follows_what_each_rank_sees(world, launch, staged, tmp_path):
+    """Device memory (CUDA IPC on a GPU) only where every rank can map every peer's device: one
+    rank that cannot, or that asks for host memory, makes every rank stage in host shared memory.
+    The model faults a stream that touches the device memory of a device its process does not
+    see, so a wrong choice fails here. explain names the place for a running group."""
+    for rank, (wrong, before, after, line, contexts) in enumerate(
+            run_ranks(_staged_where, world, env_per_rank=_launch(launch, world, str(tmp_path)))):
+        assert wrong == [] and before is None and after.startswith(staged), (rank, wrong, before, after)
+        assert line == f"staging of cpu tensors: {after}", line
+        assert len(contexts) == 1, contexts
+
+
 def _messages_in_stream_order(rank, world):
     """Each rank sends to the next what a kernel of its own writes 0.15 s later on its current
     stream (the default one, then a side stream), and drops the send's Work and tensor at once;
@@ -131,23 +176,31 @@ def test_messages_follow_the_callers_stream_on_own_devices(world, tmp_path):
 
 def _training_on_own_device(rank, world, loop, set_device):
     """A training loop (DDP's buckets, or FSDP2's prefetched gathers and scatters) by a rank whose
-    tensors are on device `rank`, with or without making that device current first."""
+    tensors are on its own device, with or without making that device current first."""
     if set_device:
-        model.set_device(rank)
+        model.set_device(model.tensor_device())
     params = _ddp(rank, world, "cpu", "hca") if loop == "ddp" else _fsdp2(rank, world, "cpu")
-    return params, model.contexts(), model.current_device()
+    return params, model.contexts(), model.current_device(), model.tensor_device(), torch_hca.hierarchy()["staging"]
 
 
-@pytest.mark.parametrize("loop,set_device", [("ddp", False), ("ddp", True), ("fsdp2", False)])
-def test_training_loops_on_own_devices_match_gloo(loop, set_device, tmp_path):
-    """What a script does on 2 GPUs: the parameters after the loop match gloo's, and no rank
-    touched a device but its own (EXCLUSIVE_PROCESS) or changed its thread's current device."""
-    hca = run_ranks(_training_on_own_device, 2, loop, set_device,
-                    env_per_rank=own_devices(2, exclusive=str(tmp_path), **SMALL_CHUNKS))
-    gloo = run_ranks(_ddp, 2, "cpu", "gloo", backend="gloo") if loop == "ddp" else run_ranks(
-        _fsdp2, 2, "cpu", backend="gloo")
-    for rank, (params, contexts, current) in enumerate(hca):
-        assert contexts == [rank] and current == (rank if set_device else 0), (rank, contexts, current)
+@pytest.mark.parametrize("loop,set_device,world,launch", [
+    ("ddp", False, 2, "all_visible"), ("ddp", True, 2, "all_visible"), ("fsdp2", False, 2, "all_visible"),
+    ("ddp", True, 2, "one_visible"), ("ddp", False, 3, "one_visible"), ("fsdp2", False, 3, "one_visible")])
+def test_training_loops_on_own_devices_match_gloo(loop, set_device, world, launch, tmp_path):
+    """What a script does on 2 or 3 GPUs, each process seeing every GPU (its tensors on cuda:rank)
+    or only its own (as cuda:0): the parameters after the loop match gloo's, no rank touched a
+    device but its own (EXCLUSIVE_PROCESS) or changed its thread's current device, and the
+    staging is device memory where every rank sees every device, host shared memory otherwise."""
+    envs = (own_devices(world, exclusive=str(tmp_path), **SMALL_CHUNKS) if launch == "all_visible"
+            else one_visible_device(world, str(tmp_path), **SMALL_CHUNKS))
+    hca = run_ranks(_training_on_own_device, world, loop, set_device, env_per_rank=envs)
+    gloo = run_ranks(_ddp, world, "cpu", "gloo", backend="gloo") if loop == "ddp" else run_ranks(
+        _fsdp2, world, "cpu", backend="gloo")
+    staged = "device memory" if launch == "all_visible" else "host shared memory"
+    for rank, (params, contexts, current, device, staging) in enumerate(hca):
+        assert device == (rank if launch == "all_visible" else 0), (rank, device)
+        assert contexts == [device] and current == (device if set_device else 0), (rank, contexts, current)
+        assert staging["cpu"].startswith(staged) and staging["cuda"] is None, (rank, staging)
         for got, want in zip(params, gloo[0]):
             torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-4, atol=1e-5)
 

@@ -35,6 +35,13 @@ def _simulate(plan, world, inputs):
     return outputs
 
 
+def test_explain_needs_a_world_size_or_a_group_and_a_known_device():
+    with pytest.raises(ValueError, match="give world_size, or a running group"):
+        torch_hca.explain(numels=[10])
+    with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda', got 'xpu'"):
+        torch_hca.explain(2, device="xpu")
+
+
 def test_dgx1_halves_and_rotating_leaders():
     plan = torch_hca.explain(8, num_packs=8, numels=[64])
     assert _C.default_groups(8) == [[0, 1, 2, 3], [4, 5, 6, 7]]

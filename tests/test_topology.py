@@ -333,7 +333,8 @@ def test_every_collective_under_the_detected_hierarchy(tmp_path, name, machine, 
 
 
 def _hierarchy_named(rank, world):
-    return [str(torch_hca.hierarchy()["cpu"].basis), torch_hca.hierarchy()["places"]]
+    found = torch_hca.hierarchy()
+    return [str(found["cpu"].basis), found["places"], found["staging"]]
 
 
 @pytest.mark.parametrize("env,basis", [({}, "halves"), ({"TORCH_HCA_GROUPS": "halves"}, "halves"),
@@ -343,3 +344,5 @@ def test_this_machine_and_the_named_rules(env, basis):
     got = run_ranks(_hierarchy_named, 3, env=env)
     assert [g[0] for g in got] == [basis] * 3
     assert (got[0][1] is None) == bool(env)
+    # The shared-memory executor's staging is there from init; CUDA's waits for a CUDA collective.
+    assert got[0][2] == {"cpu": "host shared memory (a POSIX segment every rank maps)", "cuda": None}, got[0][2]

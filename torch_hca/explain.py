@@ -55,7 +55,7 @@ class NodePlan:
 
 
 def explain(
-    world_size: int,
+    world_size: Optional[int] = None,
     algorithm: str = "hierarchical_copy",
     num_packs: Optional[int] = None,
     groups: Union[str, Sequence[Sequence[int]], None] = "auto",
@@ -72,6 +72,8 @@ def explain(
     numa_nodes: Optional[Sequence[Sequence[int]]] = None,
     packages: Optional[Sequence[Sequence[int]]] = None,
     cpus: Optional[int] = None,
+    group=None,
+    device: str = "cpu",
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
@@ -82,7 +84,22 @@ def explain(
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
     CPU packages); TF's halves where these are not given. num_packs=None (the default) shows the
     packing chosen per call, for ranks that run on `cpus` CPUs between them (default: the CPUs
-    this process may run on). Prints it if verbose."""
+    this process may run on). With `group` (a running hca process group), for its ranks: its size,
+    the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
+    (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
+    `device`); the options are still the arguments'. Prints it if verbose."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    running = topology.hierarchy(group) if group is not None else None
+    if running is not None:
+        size = group.size()
+        if world_size not in (None, size):
+            raise ValueError(f"world_size: {world_size}, but the group has {size} ranks")
+        world_size = size
+        if groups == "auto":
+            groups = running[device].groups
+    elif world_size is None:
+        raise ValueError("explain: give world_size, or a running group")
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
     hierarchy = _hierarchy(options.groups, world_size, numa_nodes, packages)
@@ -106,6 +123,9 @@ def explain(
                                              root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
         plan = Plan(list(packs), f"{hierarchy}\n{_packing_choice(options, collective, threshold, len(packs))}{text}",
                     list(roles), [list(r) for r in rounds], hierarchy)
+    if running is not None:
+        where = running["staging"][device] or f"not set up yet (at the group's first collective on {device} tensors)"
+        plan.text = f"{plan.text.rstrip()}\nstaging of {device} tensors: {where}\n"
     if verbose:
         print(plan)
     return plan

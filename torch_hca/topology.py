@@ -226,7 +226,10 @@ def _ids(ids) -> str:
 def hierarchy(group=None) -> Dict[str, object]:
     """The hierarchy an `hca` process group (default: the world) found at init:
     {"cpu": Hierarchy, "cuda": Hierarchy, "places": each rank's place in words, or None where
-    groups were given or "halves"}. Across nodes: this rank's node's group."""
+    groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
+    tensors are staged, in words, or None until the group's first collective on that device sets
+    it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
+    GPU)}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
 
@@ -240,4 +243,5 @@ def hierarchy(group=None) -> Dict[str, object]:
     # The groups as the plans use them (the backend's), the rest as found at init.
     return {"cpu": dataclasses.replace(Hierarchy(**d["cpu"]), groups=backend.groups(cuda=False)),
             "cuda": dataclasses.replace(Hierarchy(**d["cuda"]), groups=backend.groups(cuda=True)),
-            "places": d["places"]}
+            "places": d["places"],
+            "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")}}

@@ -172,6 +172,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
+      .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
       // Backend.get_error from torch 2.14 on; here for older torch too.
       .def("get_error", &ProcessGroupHCA::getError)

@@ -78,6 +78,9 @@ class Executor {
   // this point, then settles `issued` (or releases it, after a failure). Media
   // that finish each collective in run() have nothing to do.
   virtual void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) {}
+  // Where the staging lives, in words (for torch_hca.hierarchy and explain);
+  // empty while it is not set up (stream media set it up at the first collective).
+  virtual std::string staging() const = 0;
 };
 
 }  // namespace hca

@@ -204,6 +204,14 @@ Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op
                               " are not supported by this build (it has no executor for ", device.type(), ")");
 }
 
+std::string ProcessGroupHCA::staging(bool cuda) {
+  const auto call = life_.try_enter();
+  if (!call) return "";
+  if (!cuda) return cpu_executor_->staging();
+  std::lock_guard<std::mutex> lock(cuda_executor_mutex_);
+  return cuda_executor_ ? cuda_executor_->staging() : "";
+}
+
 CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {
   return device.is_cpu() ? cpu_call_streams_.get() : cuda_call_streams_.get();
 }

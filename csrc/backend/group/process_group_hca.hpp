@@ -60,6 +60,9 @@ class ProcessGroupHCA : public c10d::Backend {
   // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
   const std::string& hierarchy() const { return hierarchy_; }
   void set_hierarchy(std::string text) { hierarchy_ = std::move(text); }
+  // Where CPU or CUDA tensors are staged, in words; empty before the first
+  // collective that sets it up, in a build without CUDA, and once the group ended.
+  std::string staging(bool cuda);
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {

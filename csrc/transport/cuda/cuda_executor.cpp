@@ -10,6 +10,7 @@
 #include "../../plan/rounds.h"
 #include "../control/segment.h"
 #include "../shm/shm_executor.h"
+#include "../stream/staging_place.h"
 #include "../stream/stream_executor.h"
 #include "check.h"
 #include "cuda_runtime.h"
@@ -42,14 +43,14 @@ std::string uuid_text(const char* uuid) {
   return text;
 }
 
-// The local index of the GPU with this UUID, or -1.
-int device_with_uuid(const char* uuid) {
+// The local index of the GPU with this UUID (as uuid_text writes it), or -1.
+int device_with_uuid(const std::string& uuid) {
   int count = 0;
   check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
   for (int d = 0; d < count; ++d) {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, d), "cudaGetDeviceProperties");
-    if (std::memcmp(prop.uuid.bytes, uuid, 16) == 0) return d;
+    if (uuid_text(prop.uuid.bytes) == uuid) return d;
   }
   return -1;
 }
@@ -80,11 +81,12 @@ class Staging {
  public:
   virtual ~Staging() = default;
   virtual char* base(int rank) const = 0;
+  virtual std::string kind() const = 0;
 };
 
 // Checks `peer`'s record against this rank's (one node, one build, the same staging sizes).
-PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
-                     std::chrono::milliseconds timeout) {
+void check_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const std::string& me,
+                std::chrono::milliseconds timeout) {
   const auto theirs = await_record<PeerRecord>(rendezvous, "hca_cuda/", peer, timeout);
   const std::string who = "rank " + std::to_string(peer) + " (" + uuid_text(theirs.uuid) + ")";
   if (theirs.protocol != kProtocol) setup_failure(who + " runs another torch_hca build");
@@ -96,15 +98,12 @@ PeerRecord read_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, c
     setup_failure(who + " and " + me +
                   " disagree on TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS: they must be the same on every rank");
   }
-  return theirs;
 }
 
-// Where the staging lives, the same on every rank: in GPU memory shared by
-// CUDA IPC where every rank can map every peer's GPU memory (its GPU is
-// visible here and reachable as a peer); else (true) in host shared memory that
-// every GPU maps (one visible GPU per process, as SLURM or Kubernetes launch;
-// or TORCH_HCA_CUDA_STAGING=host). Each rank publishes what it is and whether
-// it reaches every peer; one rank that does not makes every rank stage in host memory.
+// Where the staging lives (staging_place.h): a peer's GPU is reachable when it
+// is visible here (CUDA_VISIBLE_DEVICES) and is this GPU or a CUDA peer of it;
+// TORCH_HCA_CUDA_STAGING=host asks for host memory. Each rank's record is
+// checked first (one node, one build, the same staging sizes).
 bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
                           std::chrono::milliseconds timeout) {
   PeerRecord mine{};
@@ -119,18 +118,18 @@ bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int devic
   rendezvous.set("hca_cuda/" + std::to_string(rank), std::string(reinterpret_cast<const char*>(&mine), sizeof(mine)));
   const std::string me = "rank " + std::to_string(rank) + " (cuda:" + std::to_string(device) + ", " +
                          uuid_text(mine.uuid) + ")";
-  bool reaches_all = !config.host_staging;
   for (int peer = 0; peer < world; ++peer) {
-    if (peer == rank) continue;
-    const PeerRecord theirs = read_peer(rendezvous, peer, mine, me, timeout);
-    const int local = device_with_uuid(theirs.uuid);
+    if (peer != rank) check_peer(rendezvous, peer, mine, me, timeout);
+  }
+  auto reaches = [device](const std::string& uuid) {
+    const int local = device_with_uuid(uuid);
     int can = local == device ? 1 : 0;
     if (local >= 0 && local != device) check(cudaDeviceCanAccessPeer(&can, device, local), "cudaDeviceCanAccessPeer");
-    if (!can) reaches_all = false;  // its GPU is hidden here (CUDA_VISIBLE_DEVICES), or not a peer of ours
-  }
-  rendezvous.add("hca_cuda/unreachable", reaches_all ? 0 : 1);
-  barrier(rendezvous, world, "hca_cuda/chose", timeout);
-  return rendezvous.add("hca_cuda/unreachable", 0) > 0;
+    return can != 0;
+  };
+  return choose_staging_place(rendezvous, "cuda_staging", rank, world, uuid_text(mine.uuid), reaches,
+                              config.host_staging, timeout)
+             .place == StagingPlace::HostMemory;
 }
 
 // This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
@@ -154,6 +153,7 @@ class IpcStaging final : public Staging {
   ~IpcStaging() override { close_and_free(); }
 
   char* base(int rank) const override { return bases_[rank]; }
+  std::string kind() const override { return "GPU memory, each rank's mapped by its peers through CUDA IPC"; }
 
  private:
   void publish_and_map(std::chrono::milliseconds timeout) {
@@ -221,6 +221,10 @@ class HostStaging final : public Staging {
   ~HostStaging() override { cudaHostUnregister(segment_->data()); }
 
   char* base(int rank) const override { return device_base_ + static_cast<size_t>(rank) * ring_bytes_; }
+  std::string kind() const override {
+    return "host shared memory registered with every GPU (some rank cannot map a peer's GPU memory, or "
+           "TORCH_HCA_CUDA_STAGING=host)";
+  }
 
  private:
   size_t ring_bytes_;
@@ -280,6 +284,7 @@ class CudaDevice final : public StreamDevice {
 
   DeviceRuntime& runtime() override { return cuda::runtime(); }
   char* staging(int rank) const override { return staging_->base(rank); }
+  std::string staging_kind() const override { return staging_->kind(); }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     copy_async(cuda(stream), released_, dst, src, bytes);
   }

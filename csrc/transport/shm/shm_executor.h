@@ -46,6 +46,7 @@ class ShmExecutor final : public Executor {
   ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t slot_bytes, int slots,
               std::chrono::milliseconds timeout);
   void run(const Collective& collective) override;
+  std::string staging() const override { return "host shared memory (a POSIX segment every rank maps)"; }
 
  private:
   ControlBlock& control_;

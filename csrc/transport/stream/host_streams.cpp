@@ -13,6 +13,7 @@
 #include "../shm/shm_executor.h"
 #include "aligned_span.h"
 #include "model_runtime.h"
+#include "staging_place.h"
 
 namespace hca {
 
@@ -124,9 +125,12 @@ namespace {
 
 class HostStreams final : public StreamDevice {
  public:
-  HostStreams(ControlBlock& control, Rendezvous& rendezvous, RingLayout ring, std::chrono::milliseconds timeout)
+  // With `device` current.
+  HostStreams(ControlBlock& control, Rendezvous& rendezvous, int device, RingLayout ring,
+              std::chrono::milliseconds timeout)
       : control_(control),
         ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
+        choice_(choose_place(rendezvous, control, device, timeout)),
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
                                       ring.slot_bytes, ring.slots, timeout)) {
     if (const char* at = std::getenv("TORCH_HCA_MODEL_FAULT_AT")) fault_at_ = std::strtoll(at, nullptr, 10);
@@ -146,6 +150,12 @@ class HostStreams final : public StreamDevice {
 
   DeviceRuntime& runtime() override { return ModelRuntime::instance(); }
   char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
+  std::string staging_kind() const override {
+    return choice_.place == StagingPlace::HostMemory
+               ? "host shared memory that every device maps (the CPU model's; some rank cannot map a peer's "
+                 "device memory, or TORCH_HCA_CUDA_STAGING=host)"
+               : "device memory, each rank's mapped by its peers (the CPU model's CUDA IPC)";
+  }
   // In the pieces the CUDA copy kernels take (aligned_span.h), so that a wrong cut shows here.
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     issue_data(stream, {dst, src}, [=] {
@@ -201,12 +211,31 @@ class HostStreams final : public StreamDevice {
     return false;
   }
 
-  // Throws (faulting the device) if `p` lies in the staging of a peer whose memory may be gone.
+  // As CUDA does (staging_place.h), from the physical devices this process sees;
+  // TORCH_HCA_CUDA_STAGING=host asks for host memory here too.
+  static StagingChoice choose_place(Rendezvous& rendezvous, const ControlBlock& control, int device,
+                                    std::chrono::milliseconds timeout) {
+    const ModelRuntime& runtime = ModelRuntime::instance();
+    const char* asked = std::getenv("TORCH_HCA_CUDA_STAGING");
+    return choose_staging_place(
+        rendezvous, "model_staging", control.rank(), control.world(), std::to_string(runtime.physical(device)),
+        [&runtime](const std::string& id) { return runtime.sees_physical(std::stoi(id)); },
+        asked && std::string(asked) == "host", timeout);
+  }
+
+  // Throws (faulting the device) if `p` lies in the staging of a peer that this
+  // rank cannot map: device memory of a device it does not see, or of a peer
+  // whose memory may be gone (host staging stays mapped in every process).
   void check_peer_memory(const void* p) const {
     const char* at = static_cast<const char*>(p);
     if (!at || at < staging_->data() || at >= staging_->data() + staging_->size()) return;
     const int owner = static_cast<int>(static_cast<size_t>(at - staging_->data()) / ring_bytes_);
-    if (owner == control_.rank()) return;
+    if (owner == control_.rank() || choice_.place == StagingPlace::HostMemory) return;
+    if (!ModelRuntime::instance().sees_physical(std::stoi(choice_.devices[owner]))) {
+      throw std::runtime_error("an illegal memory access: an operation touched the device memory of rank " +
+                               std::to_string(owner) + " (physical device " + choice_.devices[owner] +
+                               "), which this process does not see");
+    }
     const std::string gone = control_.why_memory_gone(owner);
     if (!gone.empty()) {
       throw std::runtime_error("an illegal memory access: an operation touched the staging of rank " +
@@ -237,6 +266,7 @@ class HostStreams final : public StreamDevice {
 
   ControlBlock& control_;
   size_t ring_bytes_;
+  StagingChoice choice_;
   std::unique_ptr<SharedSegment> staging_;
   // By the executor's issuing thread only.
   int64_t data_ops_ = 0, reduces_ = 0;
@@ -251,7 +281,7 @@ std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::
   ring.slot_bytes = aligned_slot_bytes(ring.slot_bytes);
   auto open = [&control, ring](Rendezvous& rendezvous, int device, std::chrono::milliseconds timeout) {
     DeviceGuard guard(ModelRuntime::instance(), device);
-    return std::unique_ptr<StreamDevice>(new HostStreams(control, rendezvous, ring, timeout));
+    return std::unique_ptr<StreamDevice>(new HostStreams(control, rendezvous, device, ring, timeout));
   };
   return make_stream_executor(control, std::move(rendezvous), std::move(open), ring);
 }

@@ -9,9 +9,10 @@
 // operation's effect only through an event; an operation that throws faults
 // the process's model device for good, as a sticky error does a CUDA context
 // (later operations on every stream are skipped, every stream's events raise
-// the fault); and touching a peer's staging once that peer died, left or
-// failed is such a fault, as reading IPC-mapped memory of a process that is
-// gone faults a GPU.
+// the fault); and, where the staging is device memory (staging_place.h),
+// touching a peer's staging once that peer died, left or failed, or that of a
+// device this process does not see, is such a fault, as reading IPC-mapped
+// memory of a process that is gone faults a GPU.
 #pragma once
 #include <condition_variable>
 #include <cstdint>

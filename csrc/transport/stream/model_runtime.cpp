@@ -4,7 +4,9 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 
 #include "../control/failure.h"
@@ -41,18 +43,28 @@ ModelRuntime& ModelRuntime::instance() {
 
 ModelRuntime::ModelRuntime() {
   tensor_device_ = env_int("TORCH_HCA_MODEL_DEVICE", 0);
-  devices_ = env_int("TORCH_HCA_MODEL_DEVICES", tensor_device_ + 1);
+  if (const char* visible = std::getenv("TORCH_HCA_MODEL_VISIBLE"); visible && *visible) {
+    std::stringstream list(visible);
+    for (std::string id; std::getline(list, id, ',');) visible_.push_back(std::atoi(id.c_str()));
+  } else {
+    for (int d = 0; d < env_int("TORCH_HCA_MODEL_DEVICES", tensor_device_ + 1); ++d) visible_.push_back(d);
+  }
   if (const char* folder = std::getenv("TORCH_HCA_MODEL_EXCLUSIVE")) exclusive_folder_ = folder;
-  if (tensor_device_ < 0 || tensor_device_ >= devices_) {
+  if (tensor_device_ < 0 || tensor_device_ >= devices()) {
     cuda_error("the model's set-up", "TORCH_HCA_MODEL_DEVICE=" + std::to_string(tensor_device_) + " is not one of " +
-                                         std::to_string(devices_) + " devices (TORCH_HCA_MODEL_DEVICES)");
+                                         std::to_string(devices()) +
+                                         " devices (TORCH_HCA_MODEL_DEVICES, TORCH_HCA_MODEL_VISIBLE)");
   }
 }
 
+bool ModelRuntime::sees_physical(int physical) const {
+  return std::find(visible_.begin(), visible_.end(), physical) != visible_.end();
+}
+
 void ModelRuntime::check_device(int device) const {
-  if (device < 0 || device >= devices_) {
-    cuda_error("cudaSetDevice", "invalid device ordinal " + std::to_string(device) + " (" + std::to_string(devices_) +
-                                    " devices)");
+  if (device < 0 || device >= devices()) {
+    cuda_error("cudaSetDevice", "invalid device ordinal " + std::to_string(device) + " (" +
+                                    std::to_string(devices()) + " devices)");
   }
 }
 
@@ -89,7 +101,7 @@ void ModelRuntime::create_context(int device) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (contexts_.count(device)) return;
   if (!exclusive_folder_.empty()) {
-    const std::string path = exclusive_folder_ + "/device" + std::to_string(device);
+    const std::string path = exclusive_folder_ + "/device" + std::to_string(physical(device));
     const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0 || flock(fd, LOCK_EX | LOCK_NB) != 0) {
       if (fd >= 0) close(fd);

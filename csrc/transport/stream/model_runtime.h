@@ -1,7 +1,10 @@
 // The CPU model of the device runtime: CUDA's rules (device_runtime.h) kept by
 // host threads, never kinder than a GPU. A process sees TORCH_HCA_MODEL_DEVICES
-// devices (default: enough for its tensors'); its CPU tensors stand for memory
-// of device TORCH_HCA_MODEL_DEVICE (default 0). Each thread has a current
+// devices (default: enough for its tensors'), or with TORCH_HCA_MODEL_VISIBLE
+// the physical devices listed there, numbered from 0 in that order, as
+// CUDA_VISIBLE_DEVICES makes them; its CPU tensors stand for memory of device
+// TORCH_HCA_MODEL_DEVICE (default 0). A process can map the memory of the
+// physical devices it sees only (every two of them are peers). Each thread has a current
 // device (0 until set) and, per device, a current stream (the legacy default
 // stream until set), as torch keeps them. Every call but current_device and
 // has_context needs a context on the current device and creates it; with
@@ -28,7 +31,11 @@ class ModelRuntime final : public DeviceRuntime {
   // The process's runtime (made once, never destroyed: its streams' threads may run to the end).
   static ModelRuntime& instance();
 
-  int devices() const { return devices_; }
+  int devices() const { return static_cast<int>(visible_.size()); }
+  // The physical device behind this process's device `device`.
+  int physical(int device) const { return visible_.at(device); }
+  // Whether this process sees that physical device (and may map its memory).
+  bool sees_physical(int physical) const;
   // The device the process's CPU tensors stand for the memory of.
   int tensor_device() const { return tensor_device_; }
 
@@ -75,7 +82,7 @@ class ModelRuntime final : public DeviceRuntime {
   // Fails a device call made while the calling thread captures.
   static void refuse_while_capturing(const char* call);
 
-  int devices_ = 1;
+  std::vector<int> visible_;  // the physical device of each of this process's devices
   int tensor_device_ = 0;
   std::string exclusive_folder_;
   std::mutex mutex_;

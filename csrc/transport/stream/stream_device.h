@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "../../plan/types.h"
 #include "device_runtime.h"
@@ -25,6 +26,8 @@ class StreamDevice {
   virtual DeviceRuntime& runtime() = 0;
   // The first byte of `rank`'s ring of staging slots, as this rank addresses it.
   virtual char* staging(int rank) const = 0;
+  // Where that ring lives, in words.
+  virtual std::string staging_kind() const = 0;
 
   // Issued on `stream` (a stream of the device, which is current); each runs
   // after everything issued on it before. The data operations (copy, reduce,

@@ -104,6 +104,11 @@ class StreamExecutor final : public Executor {
     }
   }
 
+  std::string staging() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return staging_;
+  }
+
   void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) override {
     std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
     if (!device_) {  // nothing was issued: every collective of the call failed before
@@ -157,6 +162,10 @@ class StreamExecutor final : public Executor {
       throw Failure(FailureKind::Setup, ctx.operation, -1, std::string("setting up its executor: ") + e.what());
     }
     device_index_ = device_index;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      staging_ = device_->staging_kind();
+    }
     medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), ring_);
     runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
     watchdog_ = std::thread([this] { watch(); });
@@ -323,7 +332,8 @@ class StreamExecutor final : public Executor {
   std::unique_ptr<StreamDevice> device_;
   std::unique_ptr<StreamMedium> medium_;
   std::unique_ptr<RoundRunner> runner_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
+  std::string staging_;  // set once the device is open
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   bool stop_ = false;

@@ -1,0 +1,23 @@
+#include "staging_place.h"
+
+#include <algorithm>
+
+namespace hca {
+
+StagingChoice choose_staging_place(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
+                                  const std::string& my_device, const std::function<bool(const std::string&)>& reaches,
+                                  bool host_asked, std::chrono::milliseconds timeout) {
+  const std::vector<std::string> devices =
+      exchange_reports(rendezvous, topic + "_device", rank, world, my_device, timeout);
+  bool reaches_all = !host_asked;
+  for (int peer = 0; peer < world && reaches_all; ++peer) {
+    if (peer != rank && devices[peer] != my_device) reaches_all = reaches(devices[peer]);
+  }
+  // A second exchange: each rank's verdict, so that every rank decides from all of them.
+  const std::vector<std::string> verdicts =
+      exchange_reports(rendezvous, topic + "_reaches_all", rank, world, reaches_all ? "1" : "0", timeout);
+  const bool everyone = std::all_of(verdicts.begin(), verdicts.end(), [](const std::string& v) { return v == "1"; });
+  return {everyone ? StagingPlace::DeviceMemory : StagingPlace::HostMemory, devices};
+}
+
+}  // namespace hca
