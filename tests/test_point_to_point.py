@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from harness import raises, run_ranks
+from torch_hca import _C
 from reference import DTYPES, make_input, rank_device
 
 BIG = 300_001  # float32: 1.2 MB, many trips round a 64 KiB ring
@@ -345,6 +346,65 @@ def test_messages_nobody_receives_are_bounded():
     assert grown < 40 << 20, f"the receiver grew by {grown >> 20} MiB"
     assert outcomes[:2] == ["sent", "sent"], outcomes
     assert all("send to rank 1" in o and "Timed out" in o for o in outcomes[2:]), outcomes
+
+
+def _early_messages_on_two_groups(rank, world):
+    """Rank 0 sends 24 MiB on the world group and 24 MiB on a second group before rank 1 posts
+    either receive: rank 1 keeps one of them aside (the budget, 32 MiB, is the process's, not each
+    group's), the other waits in its ring; then both arrive whole, and nothing stays held."""
+    second = dist.new_group(backend="hca")
+    numel = 6 << 20
+    for group in (None, second):  # a first message starts each group's progress thread on rank 1
+        dist.send(torch.ones(10), 1, group=group) if rank == 0 else dist.recv(torch.empty(10), 0, group=group)
+    if rank == 0:
+        works = [dist.isend(_data(0, 1, tag, numel), 1, group=group, tag=tag)
+                 for tag, group in ((1, None), (2, second))]
+        dist.barrier()
+        for work in works:
+            work.wait()
+        return None
+    dist.barrier()
+    time.sleep(1.0)  # both frames reach rank 1's progress threads meanwhile
+    held = _C._stashed_bytes_in_process()
+    wrong = []
+    for tag, group in ((2, second), (1, None)):
+        got = torch.empty(numel)
+        dist.recv(got, 0, group=group, tag=tag)
+        wrong.append(_wrong(f"tag {tag}", got, _data(0, 1, tag, numel)))
+    return held, [w for w in wrong if w], _C._stashed_bytes_in_process()
+
+
+def test_early_messages_of_all_groups_share_one_budget():
+    held, wrong, after = run_ranks(_early_messages_on_two_groups, 2)[1]
+    assert held == 24 << 20 and wrong == [] and after == 0, (held >> 20, wrong, after)
+
+
+def _big_unmatched_before_a_posted_recv(rank, world):
+    """Rank 1 posts a receive for tag 2, then rank 0 sends 40 MiB with tag 1 (more than the
+    early-message budget, nobody receives it yet) and then tag 2 behind it in the same ring: the
+    posted receive must get its message (the big one is kept aside), not wait for the timeout."""
+    big, small = 10 << 20, 1000
+    if rank == 0:
+        dist.barrier()
+        works = [dist.isend(_data(0, 1, 1, big), 1, tag=1), dist.isend(_data(0, 1, 2, small), 1, tag=2)]
+        for work in works:
+            work.wait()
+        return None
+    second = torch.empty(small)
+    work = dist.irecv(second, 0, tag=2)
+    dist.barrier()
+    start = time.monotonic()
+    work.wait()
+    took = time.monotonic() - start
+    first = torch.empty(big)
+    dist.recv(first, 0, tag=1)
+    wrong = [_wrong("tag 2", second, _data(0, 1, 2, small)), _wrong("tag 1", first, _data(0, 1, 1, big))]
+    return [w for w in wrong if w], took
+
+
+def test_a_big_unmatched_message_does_not_block_a_posted_recv_behind_it():
+    wrong, took = run_ranks(_big_unmatched_before_a_posted_recv, 2, pg_timeout_s=20)[1]
+    assert wrong == [] and took < 10, (wrong, took)
 
 
 def _pending_at_destroy(rank, world):

@@ -7,6 +7,7 @@
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
 #include "../transport/control/segment.h"
+#include "../transport/shm/mailbox.h"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
 #include "engines/node_backend.hpp"
@@ -237,6 +238,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
+  m.def("_stashed_bytes_in_process", &shm::stashed_bytes_in_process,
+        "Bytes of early point-to-point messages this process holds, over all its groups (tests)");
   m.def("shared_memory_identity", &shared_memory_identity,
         "This process's kernel (boot id) and /dev/shm (its device): equal for ranks that share memory");
   // Tests: joins the segment the store names under `key` as `rank` (rank 0 creates it and

@@ -14,7 +14,19 @@ namespace {
 constexpr uint32_t kFrameMagic = 0x70326870;  // "ph2p"
 constexpr auto kCheckEvery = std::chrono::milliseconds(20);
 constexpr uint64_t kMaxMessageBytes = uint64_t{1} << 40;  // what a frame may claim
-constexpr size_t kStashBytes = 32u << 20;  // early messages held per group, at most
+// Early messages held by all of this process's groups together, at most: a
+// process's memory stays bounded however many groups it has (DeviceMesh makes several).
+constexpr size_t kStashBytes = 32u << 20;
+std::atomic<size_t> stashed_in_process{0};
+
+// Takes `bytes` of the process's budget if they fit.
+bool reserve_stash_bytes(size_t bytes) {
+  size_t held = stashed_in_process.load();
+  do {
+    if (bytes > kStashBytes - std::min(kStashBytes, held)) return false;
+  } while (!stashed_in_process.compare_exchange_weak(held, held + bytes));
+  return true;
+}
 
 struct Frame {
   uint32_t magic;
@@ -103,12 +115,15 @@ struct Mailbox::Pending {
   size_t sent = 0;   // a send's frame and payload bytes written so far
 };
 
+// A frame's bytes count against the process's budget until its buffer is freed
+// (made in place by make_shared only: a moved-from Stash would give them back twice).
 struct Mailbox::Stash {
   int src;
   Frame frame;
   std::unique_ptr<char[]> data;
   bool complete = false;
   std::shared_ptr<Pending> claimed;  // the receive it belongs to, once posted
+  ~Stash() { stashed_in_process.fetch_sub(frame.bytes); }
 };
 
 struct Mailbox::Incoming {
@@ -148,6 +163,8 @@ void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
   mailbox->thread_.detach();
   mailbox.release();  // deleted by its thread, at the end of loop()
 }
+
+size_t stashed_bytes_in_process() { return stashed_in_process.load(); }
 
 Mailbox::~Mailbox() {
   {
@@ -252,7 +269,7 @@ bool Mailbox::take_parked(const std::shared_ptr<Pending>& p) {
     if (!in.parked || (p->message.peer >= 0 && p->message.peer != src)) continue;
     in.parked = false;
     if (!wants(p->message, src, in.frame.tag)) {
-      stash(src);  // whatever its size: a frame behind it may be the one this receive wants
+      stash(src, false);  // whatever its size: a frame behind it may be the one this receive wants
       continue;
     }
     if (auto error = misfit(in.frame, p->message, src)) {
@@ -266,12 +283,12 @@ bool Mailbox::take_parked(const std::shared_ptr<Pending>& p) {
   return false;
 }
 
-void Mailbox::stash(int src) {
+void Mailbox::stash(int src, bool reserved) {
   Incoming& in = incoming_[src];
-  in.stash = std::make_shared<Stash>(Stash{src, in.frame, std::unique_ptr<char[]>(new char[in.frame.bytes])});
+  if (!reserved) stashed_in_process.fetch_add(in.frame.bytes);
+  in.stash = std::make_shared<Stash>(src, in.frame, std::unique_ptr<char[]>(new char[in.frame.bytes]));
   in.dest = in.stash->data.get();
   stashed_.push_back(in.stash);
-  stashed_bytes_ += in.frame.bytes;
 }
 
 bool Mailbox::pump_send(int dst) {
@@ -346,12 +363,15 @@ void Mailbox::on_frame(int src) {
     in.target = std::move(p);
     return;
   }
-  // Nobody waits for it yet: kept aside if it fits what early messages may hold.
-  if (in.frame.bytes > kStashBytes - std::min(kStashBytes, stashed_bytes_)) {
-    in.parked = true;
-    return;
-  }
-  stash(src);
+  // Nobody waits for it yet: kept aside if it fits what early messages may
+  // hold, else left in the ring, unless a posted receive listens to `src` for
+  // another tag: its frame may come behind this one.
+  if (reserve_stash_bytes(in.frame.bytes)) return stash(src, true);
+  const bool listened = std::any_of(posted_.begin(), posted_.end(), [src](const std::shared_ptr<Pending>& p) {
+    return p->message.peer < 0 || p->message.peer == src;
+  });
+  if (listened) return stash(src, false);
+  in.parked = true;
 }
 
 void Mailbox::finish_frame(int src) {
@@ -364,7 +384,6 @@ void Mailbox::finish_frame(int src) {
 }
 
 void Mailbox::deliver(const Stash& stash, const std::shared_ptr<Pending>& p) {
-  stashed_bytes_ -= stash.frame.bytes;
   if (auto error = misfit(stash.frame, p->message, stash.src)) return complete(p, stash.src, error);
   std::memcpy(p->message.data, stash.data.get(), stash.frame.bytes);
   complete(p, stash.src, nullptr);
@@ -413,7 +432,6 @@ void Mailbox::fail_everything(const std::exception_ptr& error) {
   for (auto& p : posted_) complete(p, p->message.peer, error);
   posted_.clear();
   stashed_.clear();
-  stashed_bytes_ = 0;
 }
 
 void Mailbox::loop() {

@@ -8,10 +8,12 @@
 // (isend/irecv and batch_isend_irecv in any order the two sides agree on).
 // Frames are matched to receives by (source, tag) in arrival order; a frame
 // nobody waits for yet is drained into a private buffer while those hold less
-// than kStashBytes, so small sends need not wait for the receiver to post; a
+// than kStashBytes (32 MiB, for all of a process's groups together), so small
+// sends need not wait for the receiver to post; a
 // larger one stays in the ring (its sender waits, as with gloo's rendezvous)
-// until a receive from that rank is posted: if that receive wants a later
-// frame, the parked one is stashed after all (the program's order needs it).
+// until a receive from that rank is posted: if that receive (or one posted
+// before the frame came) wants a later frame, the big one is stashed after all
+// (the program's order needs it).
 // Sends and receives are independent of the
 // collective queue, as in gloo.
 #pragma once
@@ -52,6 +54,9 @@ struct Message {
   // hca::Failure it throws fails the group, as the channel's own failures do.
   std::function<bool()> ready;
 };
+
+// Bytes of early messages this process holds now, over all its groups (tests).
+size_t stashed_bytes_in_process();
 
 class Mailbox {
  public:
@@ -95,8 +100,9 @@ class Mailbox {
   // Gives a frame parked in the ring to receive `pending` if it wants it (else
   // stashes the parked frames it could take from, to reach those behind them).
   bool take_parked(const std::shared_ptr<Pending>& pending);
-  // Keeps the incoming frame from `src` in a buffer of its own until a receive takes it.
-  void stash(int src);
+  // Keeps the incoming frame from `src` in a buffer of its own until a receive
+  // takes it; its bytes count against the process's budget (`reserved`: already).
+  void stash(int src, bool reserved);
   // Completes receive `pending` with a stashed frame that has fully arrived.
   void deliver(const Stash& stash, const std::shared_ptr<Pending>& pending);
   void check_deadlines();
@@ -126,7 +132,6 @@ class Mailbox {
   std::vector<Incoming> incoming_;  // per source
   std::vector<std::shared_ptr<Pending>> posted_;  // receives not matched yet, in posting order
   std::vector<std::shared_ptr<Stash>> stashed_;   // frames nobody waited for, in arrival order
-  size_t stashed_bytes_ = 0;
   std::exception_ptr broken_;  // once set, every message fails with it
 };
 
