@@ -97,12 +97,14 @@ class NodeShm:
     """A tmpfs per simulated node, for its ranks to mount on /dev/shm in mount namespaces of
     their own: the ranks of one node share it, and no other."""
 
-    def __init__(self, nodes):
+    def __init__(self, nodes, size="512m"):
         self.dirs = [tempfile.mkdtemp(prefix=f"hca-shm{n}-") for n in range(nodes)]
+        self.size = size
 
     def __enter__(self):
         for d in self.dirs:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", d], check=True, capture_output=True)
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", d], check=True,
+                           capture_output=True)
         return self
 
     def __exit__(self, *exc):
@@ -127,12 +129,12 @@ def mount_namespaces_unavailable():
     return None if done.returncode == 0 else f"cannot mount a tmpfs on /dev/shm: {(done.stderr or done.stdout).strip()}"
 
 
-def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, deadline_s=240):
+def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, deadline_s=240, shm_size="512m"):
     """Runs node_cases.<case> on len(shm) ranks of this host, as containers would: rank r sees
-    the host's /dev/shm where shm[r] is None, else the tmpfs of simulated node shm[r] (ranks
-    with one value share it), and has the hostname hostnames[r] (None: the host's)."""
+    the host's /dev/shm where shm[r] is None, else the tmpfs (of `shm_size`) of simulated node
+    shm[r] (ranks with one value share it), and has the hostname hostnames[r] (None: the host's)."""
     port = 20000 + (os.getpid() * 17) % 20000
-    with NodeShm(max((n for n in shm if n is not None), default=-1) + 1) as nodes:
+    with NodeShm(max((n for n in shm if n is not None), default=-1) + 1, shm_size) as nodes:
         wrappers = []
         for node, hostname in zip(shm, hostnames):
             steps = ([nodes.mount(node)] if node is not None else []) + ([f"hostname {hostname}"] if hostname else [])

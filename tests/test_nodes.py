@@ -259,6 +259,28 @@ def test_containers_with_a_dev_shm_each_under_one_hostname_are_separate_nodes():
 
 
 @needs_mountns
+def test_a_dev_shm_too_small_for_the_staging_fails_at_init_with_the_numbers_and_the_fix():
+    """Containers sharing a 4 MiB /dev/shm (Docker's default is 64 MiB): 3 ranks need 6 MiB of
+    staging (2 MiB each by default). Every rank fails at init, the cause naming the bytes, the
+    layout, /dev/shm's free and total space and --shm-size."""
+    with pytest.raises(AssertionError) as failed:
+        run_in_containers("layout", [0, 0, 0], [None] * 3, shm_size="4m")
+    message = str(failed.value)
+    for rank in range(3):
+        assert f"rank {rank}:" in message
+    assert "reserving 2097152 bytes in /dev/shm for the hca_shm_staging segment (16 slots of 131072 bytes per rank" \
+        in message, message
+    assert "/dev/shm: " in message and " of 4.0 MiB free; " in message and "docker run --shm-size" in message, message
+
+
+def test_mailbox_rings_shrink_beyond_16_ranks_to_stay_within_16_mib():
+    ring = torch_hca._C._mailbox_ring_bytes
+    assert [ring(w) for w in (1, 2, 3, 16)] == [64 << 10] * 4
+    assert [ring(w) for w in (17, 32, 64, 1000)] == [56 << 10, 16 << 10, 4 << 10, 4 << 10]
+    assert all(w * w * ring(w) <= 16 << 20 for w in range(16, 64))
+
+
+@needs_mountns
 def test_one_node_id_over_separate_dev_shms_fails_at_init_on_every_rank():
     started = time.monotonic()
     with pytest.raises(AssertionError) as failed:

@@ -238,6 +238,8 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
+  m.def("_mailbox_ring_bytes", &shm::Mailbox::ring_bytes_for, py::arg("world"),
+        "Bytes of each point-to-point channel's ring in a group of `world` ranks");
   m.def("_stashed_bytes_in_process", &shm::stashed_bytes_in_process,
         "Bytes of early point-to-point messages this process holds, over all its groups (tests)");
   m.def("shared_memory_identity", &shared_memory_identity,

@@ -10,13 +10,6 @@
 #include "../../transport/stream/host_streams.h"
 
 namespace hca {
-namespace {
-
-// Each ordered pair of ranks gets a ring this size (larger messages stream
-// through): world^2 rings, 16 MiB for 16 ranks, within a container's default /dev/shm.
-constexpr size_t kMailboxRingBytes = 64 * 1024;
-
-}  // namespace
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
@@ -53,7 +46,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
     } else {
       cpu_executor_ = std::make_unique<shm::ShmExecutor>(*control_, rendezvous, shm_slot_bytes, shm_slots, timeout);
     }
-    mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, kMailboxRingBytes, timeout);
+    mailbox_ = std::make_unique<shm::Mailbox>(*control_, rendezvous, shm::Mailbox::ring_bytes_for(size), timeout);
   } catch (const std::exception& e) {
     publish_setup_failure(rendezvous, rank, e.what());
     throw;

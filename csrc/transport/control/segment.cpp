@@ -6,10 +6,12 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <chrono>
 #include <cstring>
@@ -143,6 +145,18 @@ class OpenSegments {
   throw std::runtime_error("hca shared memory: " + what + ": " + std::strerror(err));
 }
 
+// "/dev/shm: 3.2 of 64 MiB free", or nothing if it cannot be read.
+std::string dev_shm_space() {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return "";
+  const auto mib = [&](fsblkcnt_t blocks) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(blocks) * fs.f_frsize / (1 << 20));
+    return std::string(text);
+  };
+  return "/dev/shm: " + mib(fs.f_bavail) + " of " + mib(fs.f_blocks) + " MiB free; ";
+}
+
 char* map(int fd, size_t bytes) {
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) fail("mmap", errno);
@@ -179,7 +193,8 @@ SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int
     const int err = reserve_bytes ? posix_fallocate(fd, static_cast<off_t>(reserve_from), static_cast<off_t>(reserve_bytes)) : 0;
     if (err) {
       fail("reserving " + std::to_string(reserve_bytes) + " bytes in /dev/shm for the " + key + " segment (" + layout +
-               "; if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
+               "; " + dev_shm_space() +
+               "if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
                "TORCH_HCA_SHM_CHUNK_BYTES)",
            err);
     }

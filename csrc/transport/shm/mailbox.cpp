@@ -164,6 +164,13 @@ void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
   mailbox.release();  // deleted by its thread, at the end of loop()
 }
 
+size_t Mailbox::ring_bytes_for(int world) {
+  constexpr size_t kMost = 64u << 10, kLeast = 4u << 10, kAllRings = 16u << 20;
+  const size_t channels = static_cast<size_t>(world) * static_cast<size_t>(world);
+  const size_t fits = kAllRings / std::max<size_t>(channels, 1) / kLeast * kLeast;  // whole pages
+  return std::clamp(fits, kLeast, kMost);
+}
+
 size_t stashed_bytes_in_process() { return stashed_in_process.load(); }
 
 Mailbox::~Mailbox() {

@@ -60,6 +60,10 @@ size_t stashed_bytes_in_process();
 
 class Mailbox {
  public:
+  // A channel's ring for a group of `world` ranks: 64 KiB up to 16 ranks, then
+  // smaller (down to 4 KiB), so that the world² rings together take at most
+  // 16 MiB of /dev/shm; messages larger than a ring stream through it.
+  static size_t ring_bytes_for(int world);
   // Every rank of the group constructs it at init (the channels are one segment).
   Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout);
   ~Mailbox();  // fails what is still pending ("the process group was destroyed")
