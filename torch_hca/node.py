@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 
 from . import _C
@@ -52,6 +53,7 @@ def exchange_identities(store, rank, size, timeout_ms):
             os.unlink(probe)
     blind = {r: others for r, others in enumerate(verdicts) if others}
     if blind:
+        _leave_the_store_last(store, rank, size, timeout_ms)
         r, others = next(iter(blind.items()))
         raise ValueError(
             f"hca: ranks announce one node ({reports[r][0]!r}) but do not share /dev/shm: rank {r} cannot see the "
@@ -61,6 +63,17 @@ def exchange_identities(store, rank, size, timeout_ms):
             "give them different TORCH_HCA_NODE_ID values (or leave it unset), and gloo carries the traffic between "
             "them")
     return [node for node, _, _ in reports], [network for _, network, _ in reports]
+
+
+def _leave_the_store_last(store, rank, size, timeout_ms):
+    """Before every rank raises: rank 0, which hosts torch's TCP store (the default group's, and
+    any group's it belongs to), waits until the others have read the verdicts, so that none of
+    them loses the store while reading and reports a reset connection instead of the cause."""
+    read = store.add("hca_shm_probe/read", 1)
+    deadline = time.monotonic() + timeout_ms / 1000
+    while rank == 0 and read < size and time.monotonic() < deadline:
+        time.sleep(0.005)
+        read = store.add("hca_shm_probe/read", 0)
 
 
 def _make_probe(path) -> bool:
