@@ -12,7 +12,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 6;
+constexpr uint32_t kLayoutVersion = 7;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -110,10 +110,15 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
   RankSlot& mine = slot(rank_);
   mine.waiting_on.store(peer, std::memory_order_relaxed);
+  mine.waits.fetch_add(1, std::memory_order_relaxed);
   try {
     // This rank's own failure ends the wait too: an abort from another thread.
     wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire); },
-             [&] { return alive(peer); }, [&] { throw_gone(peer, ctx); }, ctx, peer);
+             [&] {
+               mine.waits.fetch_add(1, std::memory_order_relaxed);
+               return alive(peer);
+             },
+             [&] { throw_gone(peer, ctx); }, ctx, peer);
   } catch (const Failure& failure) {
     mine.waiting_on.store(-1, std::memory_order_relaxed);
     if (failure.kind() == FailureKind::Timeout) throw_timeout_behind(peer, ctx);
@@ -130,18 +135,40 @@ void ControlBlock::throw_timeout_behind(int peer, const WaitContext& ctx) const 
   // a rank that waits for nobody, for this rank, or for one already seen.
   std::vector<bool> seen(static_cast<size_t>(world_), false);
   seen[static_cast<size_t>(rank_)] = true;
-  int blamed = peer;
+  std::vector<int> chain{peer};
   for (seen[static_cast<size_t>(peer)] = true;;) {
-    const int next = slot(blamed).waiting_on.load(std::memory_order_relaxed);
+    const int next = slot(chain.back()).waiting_on.load(std::memory_order_relaxed);
     if (next < 0 || next >= world_ || seen[static_cast<size_t>(next)]) break;
     seen[static_cast<size_t>(next)] = true;
-    blamed = next;
+    chain.push_back(next);
   }
+  // The chain's words may be stale: its last rank may have timed out as well,
+  // or a rank stopped (SIGSTOP) inside a wait still says whom it waited for.
+  // The first rank that is not running is the stuck one.
+  const int frozen = chain.size() > 1 ? first_not_running(chain) : -1;
+  const int blamed = frozen >= 0 ? frozen : chain.back();
   if (blamed == peer) throw_timeout(ctx, peer);
   throw Failure(FailureKind::Timeout, ctx.operation, blamed,
                 "Timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
                     std::to_string(blamed) + " (this rank waits for rank " + std::to_string(peer) +
                     ", which waits for it; it never arrived, is stuck, or called a different collective)");
+}
+
+int ControlBlock::first_not_running(const std::vector<int>& chain) const {
+  std::vector<uint64_t> before;
+  for (int r : chain) before.push_back(slot(r).waits.load(std::memory_order_relaxed));
+  // Three of a waiting rank's 50 ms beats; beating too, for peers that look at this rank meanwhile.
+  for (int i = 0; i < 6; ++i) {
+    slot(rank_).waits.fetch_add(1, std::memory_order_relaxed);
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  for (size_t i = 0; i < chain.size(); ++i) {
+    const RankSlot& theirs = slot(chain[i]);
+    if (theirs.waits.load(std::memory_order_relaxed) == before[i] && theirs.failed.load(std::memory_order_acquire) == 0) {
+      return chain[i];
+    }
+  }
+  return -1;
 }
 
 void ControlBlock::wait_progress(int peer, ProgressWord word, uint32_t at_least, const WaitContext& ctx) const {

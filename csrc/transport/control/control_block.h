@@ -49,6 +49,9 @@ struct alignas(kCacheLine) RankSlot {
   // The rank this one waits for now (-1: none), so that a rank timing out behind
   // a chain of waiters names the rank at its end, the one that is stuck.
   std::atomic<int32_t> waiting_on{-1};
+  // Counts this rank's waits, and every 50 ms of a long one: a rank whose count
+  // stands still is not running (stopped, or stuck outside any wait).
+  std::atomic<uint64_t> waits{0};
   char signature[2][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
@@ -144,6 +147,9 @@ class ControlBlock {
   // Throws the timeout of a wait on `peer`, blaming the end of the chain of
   // ranks waiting on one another that starts at `peer`.
   [[noreturn]] void throw_timeout_behind(int peer, const WaitContext& ctx) const;
+  // The first rank of `chain` that shows no sign of running over a short look
+  // (its wait count stands still and it has not failed), or -1.
+  int first_not_running(const std::vector<int>& chain) const;
   template <class Ready>
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
