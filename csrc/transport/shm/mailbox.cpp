@@ -46,8 +46,11 @@ std::string describe(const Message& m, bool is_send) {
          std::to_string(m.bytes / element_size(m.dtype)) + " x " + dtype_name(m.dtype) + ")";
 }
 
+// Whether a receive takes frames from `src` (of some tag).
+bool listens_to(const Message& m, int src) { return m.peer < 0 || m.peer == src; }
+
 // Whether a receive takes a frame from `src` with `tag`.
-bool wants(const Message& m, int src, int tag) { return (m.peer < 0 || m.peer == src) && m.tag == tag; }
+bool wants(const Message& m, int src, int tag) { return listens_to(m, src) && m.tag == tag; }
 
 // Throws Failure naming `src` unless what it wrote into its frame could be ours.
 void check_frame(const Frame& frame, int src) {
@@ -273,7 +276,7 @@ void Mailbox::accept(std::shared_ptr<Pending> p) {
 bool Mailbox::take_parked(const std::shared_ptr<Pending>& p) {
   for (int src = 0; src < world_; ++src) {
     Incoming& in = incoming_[src];
-    if (!in.parked || (p->message.peer >= 0 && p->message.peer != src)) continue;
+    if (!in.parked || !listens_to(p->message, src)) continue;
     in.parked = false;
     if (!wants(p->message, src, in.frame.tag)) {
       stash(src, false);  // whatever its size: a frame behind it may be the one this receive wants
@@ -374,9 +377,8 @@ void Mailbox::on_frame(int src) {
   // hold, else left in the ring, unless a posted receive listens to `src` for
   // another tag: its frame may come behind this one.
   if (reserve_stash_bytes(in.frame.bytes)) return stash(src, true);
-  const bool listened = std::any_of(posted_.begin(), posted_.end(), [src](const std::shared_ptr<Pending>& p) {
-    return p->message.peer < 0 || p->message.peer == src;
-  });
+  const bool listened = std::any_of(posted_.begin(), posted_.end(),
+                                    [src](const std::shared_ptr<Pending>& p) { return listens_to(p->message, src); });
   if (listened) return stash(src, false);
   in.parked = true;
 }
