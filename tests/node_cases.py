@@ -134,6 +134,29 @@ def forwarded_ops(rank, world, group, case):
     return errors
 
 
+def p2p_on_a_full_dev_shm(rank, world):
+    """After init, a file takes what is left of /dev/shm; rank 0 then sends rank 1 a message.
+    Its ring's reservation fails: both ranks' calls raise (the sender's cause, the receiver told
+    by it), neither process dies of SIGBUS. Returns each rank's error."""
+    dist.barrier()
+    if rank == 0:
+        fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize)
+        except OSError:
+            pass  # what did fit is taken
+        os.close(fd)
+    dist.barrier()
+    try:
+        if rank == 0:
+            dist.send(torch.ones(1000), 1)
+        elif rank == 1:
+            dist.recv(torch.empty(1000), 0)
+        return None
+    except dist.DistBackendError as e:
+        return str(e)
+
+
 def layout(rank, world):
     """The backend class and the nodes it found."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))

@@ -273,6 +273,20 @@ def test_a_dev_shm_too_small_for_the_staging_fails_at_init_with_the_numbers_and_
     assert "/dev/shm: " in message and " of 4.0 MiB free; " in message and "docker run --shm-size" in message, message
 
 
+@needs_mountns
+def test_a_ring_that_dev_shm_cannot_hold_fails_the_messages_with_the_numbers():
+    """Rings are reserved when their pair first talks: a /dev/shm filled after init makes that
+    send and its receive raise, naming the ring, /dev/shm's space and the fix; not SIGBUS."""
+    errors = run_in_containers("p2p_on_a_full_dev_shm", [0, 0], [None] * 2, shm_size="8m",
+                               env={"TORCH_HCA_SHM_SLOTS": "2"}, timeout_s=10)
+    sender, receiver = errors
+    assert "reserving 65536 bytes in /dev/shm for the point-to-point ring from rank 0 to rank 1; /dev/shm: " \
+        in sender and " of 8.0 MiB free; " in sender and "docker run --shm-size" in sender, sender
+    # The cause as rank 0 published it (its middle cut to fit the control block).
+    assert "hca recv from rank 0 (tag 0, 1000 x float32): rank 0 failed: the point-to-point" in receiver \
+        and " of 8.0 MiB free; " in receiver, receiver
+
+
 def test_mailbox_rings_shrink_beyond_16_ranks_to_stay_within_16_mib():
     ring = torch_hca._C._mailbox_ring_bytes
     assert [ring(w) for w in (1, 2, 3, 16)] == [64 << 10] * 4

@@ -407,6 +407,32 @@ def test_a_big_unmatched_message_does_not_block_a_posted_recv_behind_it():
     assert wrong == [] and took < 10, (wrong, took)
 
 
+def _rings_reserved_as_pairs_talk(rank, world):
+    """/dev/shm held by the group's channels (one file, so every rank reads the same number) at
+    init and after rank 0 -> 1, then rank 1 -> 2 exchange a message (a ring each, 64 KiB)."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    seen = []
+    for src, dst in ((None, None), (0, 1), (1, 2), (0, 1)):
+        if rank == src:
+            dist.send(_data(src, dst, 0, BIG), dst)
+        elif rank == dst:
+            got = torch.empty(BIG)
+            dist.recv(got, src)
+            assert _wrong("message", got, _data(src, dst, 0, BIG)) is None
+        dist.barrier()
+        seen.append(backend._p2p_reserved_bytes())
+        dist.barrier()
+    return seen
+
+
+def test_rings_take_dev_shm_only_once_their_pair_talks():
+    """A group maps world^2 rings; pairs that never talk (every pair, in a program without
+    send/recv) take no /dev/shm, only the counters' page."""
+    ring, page = _C._mailbox_ring_bytes(3), os.sysconf("SC_PAGE_SIZE")
+    for seen in run_ranks(_rings_reserved_as_pairs_talk, 3):
+        assert seen == [page, page + ring, page + 2 * ring, page + 2 * ring], (seen, page, ring)
+
+
 def _pending_at_destroy(rank, world):
     """Receives nobody sends to, posted just before their group is destroyed: every wait raises
     at once, saying so (none may hang, whether or not the progress thread saw it)."""

@@ -70,6 +70,11 @@ class ProcessGroupHCA : public c10d::Backend {
     control_->scribble_for_test(seed);
     mailbox_->scribble_for_test(seed);
   }
+  // Tests: bytes of /dev/shm this group's point-to-point channels hold now.
+  size_t p2p_reserved_bytes() {
+    const auto call = life_.enter("p2p_reserved_bytes");
+    return mailbox_->reserved_bytes();
+  }
   // Breaks the group with `cause` (the first one wins): peers waiting on this
   // rank raise it, and this rank's later calls say the group is unusable. For
   // failures outside the node's media, e.g. of the stage between nodes.

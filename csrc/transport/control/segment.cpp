@@ -10,6 +10,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -170,6 +171,16 @@ char* map(int fd, size_t bytes) {
   return static_cast<char*>(p);
 }
 
+void reserve_in(int fd, size_t offset, size_t bytes, const std::string& what) {
+  const int err = bytes ? posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(bytes)) : 0;
+  if (err) {
+    fail("reserving " + std::to_string(bytes) + " bytes in /dev/shm for " + what + "; " + dev_shm_space() +
+             "if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
+             "TORCH_HCA_SHM_CHUNK_BYTES",
+         err);
+  }
+}
+
 }  // namespace
 
 size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what) {
@@ -183,22 +194,14 @@ size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what) {
 
 SharedSegment::SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                              const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
-                             const std::string& mismatch_hint, size_t share_bytes)
+                             const std::string& mismatch_hint, size_t share_bytes, size_t setup_bytes)
     : bytes_(bytes) {
   const std::string host = shared_memory_identity();
   // This rank's pages: its share, or everything for rank 0 when nothing is shared out.
   const size_t reserve_from = share_bytes ? static_cast<size_t>(rank) * share_bytes : 0;
-  const size_t reserve_bytes = share_bytes ? share_bytes : (rank == 0 ? bytes : 0);
-  auto reserve = [&](int fd) {
-    const int err = reserve_bytes ? posix_fallocate(fd, static_cast<off_t>(reserve_from), static_cast<off_t>(reserve_bytes)) : 0;
-    if (err) {
-      fail("reserving " + std::to_string(reserve_bytes) + " bytes in /dev/shm for the " + key + " segment (" + layout +
-               "; " + dev_shm_space() +
-               "if /dev/shm is too small, enlarge it, e.g. docker run --shm-size, or lower TORCH_HCA_SHM_SLOTS / "
-               "TORCH_HCA_SHM_CHUNK_BYTES)",
-           err);
-    }
-  };
+  const size_t reserve_bytes = share_bytes ? share_bytes : (rank == 0 ? std::min(bytes, setup_bytes) : 0);
+  const std::string what = "the " + key + " segment (" + layout + ")";
+  auto reserve = [&](int fd) { reserve_in(fd, reserve_from, reserve_bytes, what); };
   if (rank == 0) {
     sweep_stale_segments();
     const std::string name = fresh_name();
@@ -283,6 +286,16 @@ void SharedSegment::release() {
   OpenSegments::get().remove(&fd_);
   const int fd = fd_.exchange(-1);
   if (fd >= 0) close(fd);
+}
+
+void SharedSegment::reserve(size_t offset, size_t bytes, const std::string& what) const {
+  reserve_in(fd_.load(), offset, bytes, what);
+}
+
+size_t SharedSegment::reserved_bytes() const {
+  struct stat st {};
+  if (fstat(fd_.load(), &st) != 0) fail("fstat of a segment", errno);
+  return static_cast<size_t>(st.st_blocks) * 512;  // st_blocks counts 512-byte units
 }
 
 namespace {

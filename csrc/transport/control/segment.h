@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -33,16 +34,23 @@ class SharedSegment {
   // later). With `share_bytes` > 0, rank r owns [r * share_bytes, (r + 1) *
   // share_bytes) and reserves it itself, so its pages come from the memory of
   // the NUMA node it runs on (the kernel places a tmpfs page where the task
-  // that allocates it runs); else rank 0 reserves everything.
+  // that allocates it runs); else rank 0 reserves the first `setup_bytes` (all
+  // of it by default), and the rest is reserved by `reserve` when it is used.
   SharedSegment(Rendezvous& rendezvous, const std::string& key, int rank, int world, size_t bytes,
                 const std::string& layout, std::chrono::milliseconds timeout, const std::function<void(char*)>& initialize,
-                const std::string& mismatch_hint, size_t share_bytes = 0);
+                const std::string& mismatch_hint, size_t share_bytes = 0, size_t setup_bytes = SIZE_MAX);
   ~SharedSegment();
   SharedSegment(const SharedSegment&) = delete;
   SharedSegment& operator=(const SharedSegment&) = delete;
 
   char* data() const { return base_; }
   size_t size() const { return bytes_; }
+  // Reserves [offset, offset + bytes) in /dev/shm before its first use (a page
+  // never reserved would fault with SIGBUS on a full /dev/shm); throws
+  // std::runtime_error naming `what`, the free space and the fix if it cannot.
+  void reserve(size_t offset, size_t bytes, const std::string& what) const;
+  // Bytes of /dev/shm the segment holds now, whoever reserved them (tests).
+  size_t reserved_bytes() const;
 
   // Open-file-description locks on single bytes of the segment, which the
   // kernel drops when the process ends however it ends, and which every

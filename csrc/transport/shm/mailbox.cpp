@@ -6,6 +6,8 @@
 #include <random>
 #include <stdexcept>
 
+#include <unistd.h>
+
 #include "../control/wait.h"
 
 namespace hca::shm {
@@ -106,7 +108,6 @@ void ring_read(const char* ring, size_t ring_bytes, uint64_t at, char* to, size_
 struct Mailbox::Channel {
   Counter written;  // by the sender
   Counter read;     // by the receiver
-  char* ring() { return reinterpret_cast<char*>(this + 1); }
 };
 
 struct Mailbox::Pending {
@@ -147,14 +148,19 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
       incoming_(control.world()) {
   static_assert(sizeof(Channel) == 2 * kCacheLine, "a channel's counters fill two lines");
   const size_t channels = static_cast<size_t>(world_) * static_cast<size_t>(world_);
+  // The counters first, on pages of their own, reserved at init; then the rings, each reserved
+  // by the first of its two ranks to touch it: a pair that never talks costs no /dev/shm.
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  rings_at_ = (channels * sizeof(Channel) + page - 1) / page * page;
+  ring_reserved_ = std::make_unique<std::atomic<bool>[]>(channels);
   segment_ = std::make_unique<SharedSegment>(
-      rendezvous, "hca_p2p", rank_, world_, channels * (sizeof(Channel) + ring_bytes_),
-      std::to_string(channels) + " channels of " + std::to_string(ring_bytes_) + " bytes",
+      rendezvous, "hca_p2p", rank_, world_, rings_at_ + channels * ring_bytes_,
+      std::to_string(channels) + " channels of " + std::to_string(ring_bytes_) + " bytes, reserved when first used",
       timeout,
       [&](char* base) {
-        for (size_t c = 0; c < channels; ++c) new (base + c * (sizeof(Channel) + ring_bytes_)) Channel{};
+        for (size_t c = 0; c < channels; ++c) new (base + c * sizeof(Channel)) Channel{};
       },
-      "every rank must run the same torch_hca build");
+      "every rank must run the same torch_hca build", 0, rings_at_);
 }
 
 void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
@@ -192,10 +198,25 @@ std::exception_ptr Mailbox::destroyed() {
       Failure(FailureKind::Unusable, "point-to-point", -1, "the process group was destroyed first"));
 }
 
-Mailbox::Channel& Mailbox::channel(int src, int dst) const {
-  const size_t index = static_cast<size_t>(src) * static_cast<size_t>(world_) + static_cast<size_t>(dst);
-  return *reinterpret_cast<Channel*>(segment_->data() + index * (sizeof(Channel) + ring_bytes_));
+size_t Mailbox::channel_index(int src, int dst) const {
+  return static_cast<size_t>(src) * static_cast<size_t>(world_) + static_cast<size_t>(dst);
 }
+
+Mailbox::Channel& Mailbox::channel(int src, int dst) const {
+  return *reinterpret_cast<Channel*>(segment_->data() + channel_index(src, dst) * sizeof(Channel));
+}
+
+char* Mailbox::ring(int src, int dst) {
+  const size_t index = channel_index(src, dst), at = rings_at_ + index * ring_bytes_;
+  if (!ring_reserved_[index].load(std::memory_order_acquire)) {  // fallocate again is harmless
+    segment_->reserve(at, ring_bytes_,
+                      "the point-to-point ring from rank " + std::to_string(src) + " to rank " + std::to_string(dst));
+    ring_reserved_[index].store(true, std::memory_order_release);
+  }
+  return segment_->data() + at;
+}
+
+size_t Mailbox::reserved_bytes() const { return segment_->reserved_bytes(); }
 
 void Mailbox::scribble_for_test(uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -205,8 +226,9 @@ void Mailbox::scribble_for_test(uint64_t seed) {
     const uint64_t written = out.written.bytes.load();
     Frame frame{rng() % 4 ? kFrameMagic : static_cast<uint32_t>(rng()), static_cast<int32_t>(rng() % 3),
                 static_cast<uint32_t>(rng() % 12), 0, rng() % 3 ? rng() % 4096 : rng()};
-    ring_write(out.ring(), ring_bytes_, written, reinterpret_cast<const char*>(&frame), sizeof(frame));
-    for (size_t i = sizeof(frame); i < 256; ++i) out.ring()[(written + i) % ring_bytes_] = static_cast<char>(rng());
+    char* ring = this->ring(rank_, peer);
+    ring_write(ring, ring_bytes_, written, reinterpret_cast<const char*>(&frame), sizeof(frame));
+    for (size_t i = sizeof(frame); i < 256; ++i) ring[(written + i) % ring_bytes_] = static_cast<char>(rng());
     const uint64_t claims[] = {written + sizeof(frame), written + 1 + rng() % 256, rng(), written - 1 - rng() % 64};
     out.written.bytes.store(claims[rng() % 4]);
     Channel& in = channel(peer, rank_);
@@ -320,7 +342,7 @@ bool Mailbox::pump_send(int dst) {
       const char* from = in_frame ? reinterpret_cast<const char*>(&p.frame) + p.sent
                                   : static_cast<const char*>(p.message.data) + (p.sent - sizeof(Frame));
       const size_t n = std::min(space, in_frame ? sizeof(Frame) - p.sent : total - p.sent);
-      ring_write(ch.ring(), ring_bytes_, written, from, n);
+      ring_write(ring(rank_, dst), ring_bytes_, written, from, n);
       written += n;
       p.sent += n;
       ch.written.bytes.store(written, std::memory_order_release);
@@ -344,13 +366,13 @@ bool Mailbox::pump_recv(int src) {
     const size_t available = static_cast<size_t>(written - read);
     if (in.frame_got < sizeof(Frame)) {
       const size_t n = std::min(available, sizeof(Frame) - in.frame_got);
-      ring_read(ch.ring(), ring_bytes_, read, reinterpret_cast<char*>(&in.frame) + in.frame_got, n);
+      ring_read(ring(src, rank_), ring_bytes_, read, reinterpret_cast<char*>(&in.frame) + in.frame_got, n);
       in.frame_got += n;
       read += n;
       if (in.frame_got == sizeof(Frame)) on_frame(src);
     } else {
       const size_t n = std::min<size_t>(available, in.frame.bytes - in.payload_got);
-      ring_read(ch.ring(), ring_bytes_, read, in.dest ? in.dest + in.payload_got : nullptr, n);
+      ring_read(ring(src, rank_), ring_bytes_, read, in.dest ? in.dest + in.payload_got : nullptr, n);
       in.payload_got += n;
       read += n;
     }

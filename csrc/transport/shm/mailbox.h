@@ -64,7 +64,8 @@ class Mailbox {
   // smaller (down to 4 KiB), so that the world² rings together take at most
   // 16 MiB of /dev/shm; messages larger than a ring stream through it.
   static size_t ring_bytes_for(int world);
-  // Every rank of the group constructs it at init (the channels are one segment).
+  // Every rank of the group constructs it at init (the channels are one segment,
+  // whose rings take /dev/shm only once their pair of ranks talks).
   Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout);
   ~Mailbox();  // fails what is still pending ("the process group was destroyed")
   Mailbox(const Mailbox&) = delete;
@@ -80,6 +81,9 @@ class Mailbox {
   // Tests: what a broken or hostile peer could write into its side of every
   // channel (counters, frames, bytes); the peers reading them must not crash.
   void scribble_for_test(uint64_t seed);
+
+  // Bytes of /dev/shm the group's channels hold now (tests).
+  size_t reserved_bytes() const;
 
   // Whether the calling thread is the progress thread (a message's callback).
   bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -114,11 +118,17 @@ class Mailbox {
   static void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
   void fail_everything(const std::exception_ptr& error);
   static std::exception_ptr destroyed();  // what pending messages get at destruction
+  size_t channel_index(int src, int dst) const;
   Channel& channel(int src, int dst) const;
+  // The ring of channel src -> dst, reserved in /dev/shm by the first use in this
+  // process (the progress thread's, or a test's scribbling before it starts).
+  char* ring(int src, int dst);
 
   ControlBlock& control_;
   int rank_, world_;
   size_t ring_bytes_;
+  size_t rings_at_;  // the rings' offset in the segment, past the counters' pages
+  std::unique_ptr<std::atomic<bool>[]> ring_reserved_;  // per channel, by this process
   std::unique_ptr<SharedSegment> segment_;
 
   std::mutex mutex_;  // guards inbox_, stop_ and unsent_; the rest belongs to the progress thread
