@@ -25,13 +25,15 @@ void end_engines(Engines& engines, bool abort) {
   }
 }
 
-void EngineBackend::shutdown() {
-  if (!in_forked_child()) end_engines(engines_, false);
+void EngineBackend::end(bool abort) {
+  life_.end(
+      abort, [&] { end_parts(true); }, [&] { stop_queue(); },
+      [&] {
+        if (!abort) end_parts(false);  // an abort ended them first
+      });
 }
 
-void EngineBackend::abort() {
-  if (!in_forked_child()) end_engines(engines_, true);
-}
+void EngineBackend::end_parts(bool abort) { end_engines(engines_, abort); }
 
 void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout) {
   for (auto* engine : {engines.cpu.get(), engines.cuda.get()}) {
@@ -49,7 +51,7 @@ void EngineBackend::setSequenceNumberForGroup() {
 }
 
 c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) const {
-  owner_.check(op);
+  life_.owner().check(op);
   const auto& chosen = tensor.device().is_cuda() ? engines_.cuda : tensor.device().is_cpu() ? engines_.cpu : nullptr;
   TORCH_CHECK_NOT_IMPLEMENTED(chosen, "hca ", op, ": no stock engine for tensors on ", tensor.device(),
                               " (for CUDA tensors: ProcessGroupNCCL, which needs torch with NCCL and a GPU when the "
@@ -58,7 +60,7 @@ c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) c
 }
 
 void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  owner_.check("monitoredBarrier");
+  const auto inside = life_.enter("monitoredBarrier");
   engines_.cpu->monitoredBarrier(opts, wait_all_ranks);
 }
 

@@ -6,7 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
-#include "../group/owning_process.hpp"
+#include "../group/group_life.hpp"
 
 namespace hca {
 
@@ -28,9 +28,14 @@ class EngineBackend : public c10d::Backend {
   ~EngineBackend() override;
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
-  // Forwarded to the engines (ProcessGroupNCCL ends its communicators; gloo has neither).
-  void shutdown() override;
-  void abort() override;
+  // Ending runs once, whoever asks and however often (the group's life, as
+  // ProcessGroupHCA's): an abort first aborts the parts so that the calls inside
+  // give up; then the queue stops (what it holds runs to its end, or fails after
+  // an abort), the calls inside are awaited, and a shutdown shuts the parts down.
+  // Later calls raise DistBackendError. The engines: ProcessGroupNCCL ends its
+  // communicators; gloo has neither.
+  void shutdown() override { end(false); }
+  void abort() override { end(true); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // The calls made through this backend since the last reset (forwarded to the
   // engines too, which number what they are handed: packs, stages).
@@ -63,8 +68,19 @@ class EngineBackend : public c10d::Backend {
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> issue(const CommsCall& call, bool async_op, Issue&& issue_call) {
     settle_post_step();
+    return record(call, async_op, std::forward<Issue>(issue_call));
+  }
+  // A public call, counted by the recorder, inside the group's life (refused once it ends).
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> record(const CommsCall& call, bool async_op, Issue&& issue_call) {
+    const auto inside = life_.enter(call.name);
     return calls_(*this, call, async_op, std::forward<Issue>(issue_call));
   }
+  // What ending does to the parts: abort them, or shut them down (the engines;
+  // NodeBackend adds its node's group and the engines among leaders).
+  virtual void end_parts(bool abort);
+  // Stops the queue of a backend that has one.
+  virtual void stop_queue() {}
   // `work` runs hca's own arithmetic on an engine's results after the engine's
   // call (AVG's division, PREMUL_SUM's factor, on CPU tensors): the next call waits for it.
   void post_step(c10::intrusive_ptr<c10d::Work> work);
@@ -73,16 +89,18 @@ class EngineBackend : public c10d::Backend {
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
   c10d::Backend& cpu_engine(const char* op) const {
-    owner_.check(op);
+    life_.owner().check(op);
     return *engines_.cpu;
   }
   // Whether this is a child forked from the process that made the backend.
-  bool in_forked_child() const { return !owner_.is_current(); }
+  bool in_forked_child() const { return !life_.owner().is_current(); }
   // DistBackendError naming `op` in a forked child.
-  void check_process(const char* op) const { owner_.check(op); }
+  void check_process(const char* op) const { life_.owner().check(op); }
 
  private:
-  OwningProcess owner_;
+  void end(bool abort);
+
+  GroupLife life_;
   Engines engines_;
   std::mutex post_step_mutex_;
   c10::intrusive_ptr<c10d::Work> post_step_;

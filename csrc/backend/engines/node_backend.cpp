@@ -62,21 +62,14 @@ void NodeBackend::setTimeout(std::chrono::milliseconds timeout) {
   EngineBackend::setTimeout(timeout);
 }
 
-void NodeBackend::end(bool abort) {
-  if (in_forked_child()) return;
-  if (!abort) queue_.stop();  // what is queued runs to its end first
+void NodeBackend::end_parts(bool abort) {
   if (abort) {
     local_->abort();
   } else {
     local_->shutdown();
   }
   for (auto& entry : leaders_) end_engines(entry.second, abort);
-  if (abort) {
-    EngineBackend::abort();
-  } else {
-    EngineBackend::shutdown();
-  }
-  queue_.stop();  // on abort, what is queued fails at once now
+  EngineBackend::end_parts(abort);
 }
 
 void NodeBackend::check_device(const at::Device& device, const char* op) const {
@@ -183,7 +176,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,
+    return record({"allreduce", tensors, tensors}, opts.asyncOp,
                   [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
   }
   CallArgs args("allreduce", tensors);
@@ -194,7 +187,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
     allreduce_stages(args.dense(), packs, op, timeout);
     args.write_back();
   };
-  return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,
+  return record({"allreduce", tensors, tensors}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp); });
 }
 
@@ -226,7 +219,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
     local_->broadcast(dense, inside)->wait();
     args.write_back();
   };
-  return calls_(*this, {"broadcast", tensors, tensors}, opts.asyncOp,
+  return record({"broadcast", tensors, tensors}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp); });
 }
 
@@ -263,7 +256,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       args.write_back();
     }
   };
-  return calls_(*this, {"reduce", tensors, tensors}, opts.asyncOp,
+  return record({"reduce", tensors, tensors}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp); });
 }
 
@@ -343,7 +336,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at
     for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
     args.write_back();
   };
-  return calls_(*this, {"all_gather", inputs, list}, opts.asyncOp,
+  return record({"all_gather", inputs, list}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp); });
 }
 
@@ -366,7 +359,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
+  return record({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp); });
 }
 
@@ -398,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
+  return record({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
     return launch(c10d::OpType::_REDUCE_SCATTER_BASE, args, outputs, std::move(body), opts.asyncOp);
   });
 }
@@ -416,7 +409,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
     }
     local_->barrier(inside)->wait();
   };
-  return calls_(*this, {"barrier", {}, {}}, opts.asyncOp,
+  return record({"barrier", {}, {}}, opts.asyncOp,
                 [&] { return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp); });
 }
 

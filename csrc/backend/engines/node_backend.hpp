@@ -27,10 +27,6 @@ class NodeBackend : public EngineBackend {
   ~NodeBackend() override;
   // For every stage: the node's group, the engines among leaders and of the world.
   void setTimeout(std::chrono::milliseconds timeout) override;
-  // As ProcessGroupHCA's: the node's group, then the engines among leaders and
-  // of the world; on abort, everything is aborted before the queue is drained.
-  void shutdown() override { end(false); }
-  void abort() override { end(true); }
   // The node's group's: a failure between nodes breaks it too.
   c10d::ErrorType getError() override {
     check_process("get_error");
@@ -70,6 +66,11 @@ class NodeBackend : public EngineBackend {
   void startCoalescing() override {}
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
+ protected:
+  // The node's group, then the engines among leaders and of the world.
+  void end_parts(bool abort) override;
+  void stop_queue() override { queue_.stop(); }
+
  private:
   int node() const { return nodes_.node_of[getRank()]; }
   // This node's leader of `position`, as a rank of the node's own group.
@@ -87,7 +88,6 @@ class NodeBackend : public EngineBackend {
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const Issue& issue) const;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
-  void end(bool abort);
 
   // The three stages of an allreduce of dense `tensors` cut into `packs`, each
   // led from its pack position; AVG sums and divides once, on the leaders.

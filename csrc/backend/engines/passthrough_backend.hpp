@@ -45,21 +45,15 @@ class PassthroughBackend : public EngineBackend {
                                                                  std::vector<at::Tensor>& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  // The queue runs what it holds (after the engines aborted, on abort), then stops.
-  void shutdown() override {
-    queue_.stop();
-    EngineBackend::shutdown();
-  }
-  void abort() override {
-    EngineBackend::abort();
-    queue_.stop();
-  }
   void setTimeout(std::chrono::milliseconds timeout) override {
     timeout_ = timeout;
     EngineBackend::setTimeout(timeout);
   }
   void startCoalescing() override {}
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+ protected:
+  void stop_queue() override { queue_.stop(); }
 
  private:
   // PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
