@@ -9,7 +9,9 @@ with a device synchronize, and stock NCCL joins where it can run (one rank per G
 Every backend runs in the same processes, one after the other, on float32 tensors. The sweep is
 the installed `python -m torch_hca.bench`'s (its timing, columns and element check); this script
 puts hca's configurations side by side and adds a batch of 100 tensors, the small-message latency
-table, the speed-ups over gloo and the plot.
+table, the speed-ups over gloo and the plot. `--ops choice` times hca's defaults and each fixed
+setting at every size with their batches alternating, for the table of the defaults beside the
+fastest fixed setting (without it, that table compares the sweep's rows, taken minutes apart).
 """
 from __future__ import annotations
 
@@ -122,6 +124,30 @@ def time_latency(rank, world, timer_group, device):
     return rows
 
 
+def time_choices(rank, world, timer_group, device, sizes):
+    """all_reduce at every size under hca's defaults and under each fixed setting (backends()),
+    their batches alternating (alternating_medians): the sweep times each contender after the
+    other, minutes apart, and on a VM whose speed drifts that alone made two identical schedules
+    differ 1.4x. This is what the defaults-vs-best table compares."""
+    dev = rank_device(device, rank)
+    groups = {label: dist.new_group(backend="hca", pg_options=options)
+              for label, backend, options in backends(world, device) if backend == "hca"}
+    rows = []
+    for nbytes in sizes:
+        t = torch.zeros(max(1, nbytes // 4), device=dev)
+        modes = {label: synchronized(lambda g=g: dist.all_reduce(t, group=g), dev) for label, g in groups.items()}
+        calls = {}
+        for label, fn in modes.items():  # batches of about 5 ms (the same count on every rank), after a warm-up
+            fn()
+            estimate = torch.tensor([_timed(lambda: [fn() for _ in range(3)]) / 3], dtype=torch.float64)
+            dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
+            calls[label] = int(min(200, max(1, 5e-3 / estimate.item())))
+        for label, seconds in alternating_medians(modes, calls, timer_group, batches=11).items():
+            rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
+                             timing="alternating"))
+    return rows
+
+
 def alternating_medians(modes, calls, timer_group, batches=15):
     """Seconds per call of each mode (name -> function): the median of `batches` batches of
     calls[mode] back-to-back calls, slowest rank. The modes' batches alternate, in order and then
@@ -174,6 +200,9 @@ def worker(rank, world, init, sizes, ops, out_path, device, pin):
     if "latency" in ops:
         rows += time_latency(rank, world, timer_group, device)
         ops = [op for op in ops if op != "latency"]
+    if "choice" in ops:
+        rows += time_choices(rank, world, timer_group, device, sizes)
+        ops = [op for op in ops if op != "choice"]
     for label, backend, options in backends(world, device):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
@@ -310,7 +339,8 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
     parser.add_argument("--ops", default="all_reduce,broadcast,latency",
                         help="all_reduce, broadcast (or any op of python -m torch_hca.bench), batch (100 tensors of 4 KiB-4 MiB), latency "
-                             "(4 B-64 KiB allreduce, blocking and async)")
+                             "(4 B-64 KiB allreduce, blocking and async), choice (allreduce under hca's defaults and "
+                             "each fixed setting, alternating: the defaults-vs-best table)")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
     parser.add_argument("--pin-cores", help='pin rank r to the r-th of these cores, e.g. "0,32,1,33" to alternate '
@@ -342,7 +372,8 @@ def main(argv=None):
                 rows += json.load(f)
     batches = [r for r in rows if r.get("op") == "batch100"]
     latency = [r for r in rows if "mode" in r]
-    rows = [r for r in rows if r.get("op") not in ("batch100", None)]
+    choices = [r for r in rows if r.get("timing") == "alternating"]
+    rows = [r for r in rows if r.get("op") not in ("batch100", None) and r not in choices]
     print_table(rows)
     print_batches(batches)
     print_latency(latency)
@@ -350,7 +381,7 @@ def main(argv=None):
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth ({'device to device' if device == 'cuda' else 'one core'}): {memcpy:.2f} GB/s")
     print_speedups(speedups)
-    defaults = defaults_vs_best(rows)
+    defaults = defaults_vs_best(choices or rows)
     print_defaults_vs_best(defaults)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
@@ -359,8 +390,8 @@ def main(argv=None):
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows, batches=batches, latency=latency, speedup_vs_gloo=speedups,
-                       defaults_vs_best=defaults), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, batches=batches, latency=latency, choices=choices,
+                       speedup_vs_gloo=speedups, defaults_vs_best=defaults), f, indent=1)
     if rows:
         bound = f"bound: {'device-to-device copy' if device == 'cuda' else 'one core memcpy'} {memcpy:.1f} GB/s"
         plot(rows, os.path.join(args.out, name + ".png"), f"hca vs gloo, {device} ranks, {stamp}", memcpy, bound)
