@@ -113,12 +113,7 @@ def time_latency(rank, world, timer_group, device):
             t = torch.zeros(max(1, nbytes // 4), device=dev)
             modes = {"blocking": synchronized(lambda: dist.all_reduce(t, group=group), dev),
                      "async": synchronized(lambda: dist.all_reduce(t, group=group, async_op=True).wait(), dev)}
-            calls = {}
-            for mode, fn in modes.items():
-                # Batches of about 5 ms (the same count on every rank), after a warm-up.
-                estimate = torch.tensor([_timed(lambda: [fn() for _ in range(20)]) / 20], dtype=torch.float64)
-                dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
-                calls[mode] = int(min(200, max(5, 5e-3 / estimate.item())))
+            calls = {mode: calls_per_batch(fn, timer_group, probe=20, least=5) for mode, fn in modes.items()}
             for mode, seconds in alternating_medians(modes, calls, timer_group).items():
                 rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=seconds * 1e6))
     return rows
@@ -136,16 +131,21 @@ def time_choices(rank, world, timer_group, device, sizes):
     for nbytes in sizes:
         t = torch.zeros(max(1, nbytes // 4), device=dev)
         modes = {label: synchronized(lambda g=g: dist.all_reduce(t, group=g), dev) for label, g in groups.items()}
-        calls = {}
-        for label, fn in modes.items():  # batches of about 5 ms (the same count on every rank), after a warm-up
-            fn()
-            estimate = torch.tensor([_timed(lambda: [fn() for _ in range(3)]) / 3], dtype=torch.float64)
-            dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
-            calls[label] = int(min(200, max(1, 5e-3 / estimate.item())))
+        for fn in modes.values():
+            fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
+        calls = {label: calls_per_batch(fn, timer_group, probe=3, least=1) for label, fn in modes.items()}
         for label, seconds in alternating_medians(modes, calls, timer_group, batches=11).items():
             rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
                              timing="alternating"))
     return rows
+
+
+def calls_per_batch(fn, timer_group, probe, least):
+    """How many calls of `fn` make a batch of about 5 ms (from `least` to 200), timed over `probe`
+    calls; the slowest rank's estimate, so that every rank makes the same count."""
+    estimate = torch.tensor([_timed(lambda: [fn() for _ in range(probe)]) / probe], dtype=torch.float64)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
+    return int(min(200, max(least, 5e-3 / estimate.item())))
 
 
 def alternating_medians(modes, calls, timer_group, batches=15):

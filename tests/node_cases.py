@@ -140,9 +140,9 @@ def p2p_on_a_full_dev_shm(rank, world):
     by it), neither process dies of SIGBUS. Returns each rank's error."""
     dist.barrier()
     if rank == 0:
-        fd = os.open("/dev/shm/filler", os.O_CREAT | os.O_RDWR, 0o600)
+        fd, space = os.open("/dev/shm/filler", os.O_CREAT | os.O_RDWR, 0o600), os.statvfs("/dev/shm")
         try:
-            os.posix_fallocate(fd, 0, os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize)
+            os.posix_fallocate(fd, 0, space.f_bavail * space.f_frsize)
         except OSError:
             pass  # what did fit is taken
         os.close(fd)

@@ -253,14 +253,13 @@ def test_a_group_ended_while_another_thread_is_inside_a_call(how, world):
             assert "aborted" in outcome["later"] or "shut down" in outcome["later"], outcome
 
 
-def _engine_group_ended(rank, world, how):
+def _engine_group_ended(rank, world, how, algorithm):
     """A group that hands calls to stock engines (algorithm="nccl": gloo for CPU tensors; or a
     group across nodes), ended by shutdown, or by abort and shutdown at once from two threads,
     after a checked all-reduce: what a later call raises. (Not while a call is inside, as above:
     gloo cannot be interrupted, so a peer's call would wait for the timeout.)"""
     import torch_hca
 
-    algorithm = "hierarchical_copy" if os.environ.get("TORCH_HCA_NODE_ID") else "nccl"
     group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm))
     backend = group._get_backend(torch.device("cpu"))
     inputs = [make_input(6, r, 1000, torch.float32, "SUM") for r in range(world)]
@@ -286,7 +285,8 @@ def test_a_group_of_stock_engines_ends_once_and_refuses_later_calls(layout, how)
     again), and a later call raises hca's error. Before these groups' ending went through the
     group's life, a call after shutdown went through to gloo (which has no shutdown)."""
     env = [{"TORCH_HCA_NODE_ID": n} for n in "aab"] if layout == "nodes" else None
-    for wrong, kind, later in run_ranks(_engine_group_ended, 3, how, env_per_rank=env):
+    algorithm = "hierarchical_copy" if layout == "nodes" else "nccl"
+    for wrong, kind, later in run_ranks(_engine_group_ended, 3, how, algorithm, env_per_rank=env):
         assert wrong is None and kind == ("NodeBackend" if layout == "nodes" else "PassthroughBackend"), (wrong, kind)
         assert later.startswith("hca allreduce: this process group was ") and \
             ("shut down" in later or "aborted" in later), later

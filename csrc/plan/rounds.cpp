@@ -5,11 +5,6 @@
 #include <utility>
 
 namespace hca {
-namespace {
-
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-}  // namespace
 
 Role role_of(const Schedule& schedule, int rank) {
   Role role;

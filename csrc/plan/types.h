@@ -20,4 +20,7 @@ const char* algorithm_name(Algorithm algorithm);
 // Throws std::invalid_argument naming the option for an unknown name.
 Algorithm parse_algorithm(const std::string& name);
 
+// `n` rounded up to a multiple of `to` (layouts of staging pieces and segments).
+inline size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
 }  // namespace hca

@@ -8,13 +8,13 @@
 #include <thread>
 #include <vector>
 
+#include "../../plan/types.h"
+
 namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
 constexpr uint32_t kLayoutVersion = 7;
-
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 

@@ -150,8 +150,7 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
   const size_t channels = static_cast<size_t>(world_) * static_cast<size_t>(world_);
   // The counters first, on pages of their own, reserved at init; then the rings, each reserved
   // by the first of its two ranks to touch it: a pair that never talks costs no /dev/shm.
-  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  rings_at_ = (channels * sizeof(Channel) + page - 1) / page * page;
+  rings_at_ = round_up(channels * sizeof(Channel), static_cast<size_t>(sysconf(_SC_PAGESIZE)));
   ring_reserved_ = std::make_unique<std::atomic<bool>[]>(channels);
   segment_ = std::make_unique<SharedSegment>(
       rendezvous, "hca_p2p", rank_, world_, rings_at_ + channels * ring_bytes_,
