@@ -211,6 +211,13 @@ void CallArgs::write_back() const {
   }
 }
 
+bool CallArgs::copies() const {
+  for (size_t i = 0; i < original_.size(); ++i) {
+    if (!dense_[i].is_same(original_[i])) return true;
+  }
+  return false;
+}
+
 namespace {
 
 // `in_place(output, input)`: whether that pair is the collective's in-place form.

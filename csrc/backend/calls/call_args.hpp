@@ -73,6 +73,8 @@ class CallArgs {
   void check_like(size_t i, size_t like, int64_t numel, const char* what) const;
   // Copies the dense results back into non-contiguous originals.
   void write_back() const;
+  // Whether some tensor is a dense copy (write_back writes it).
+  bool copies() const;
 
  private:
   const char* name_;
