@@ -282,9 +282,9 @@ def test_a_ring_that_dev_shm_cannot_hold_fails_the_messages_with_the_numbers():
     sender, receiver = errors
     assert "reserving 65536 bytes in /dev/shm for the point-to-point ring from rank 0 to rank 1; /dev/shm: " \
         in sender and " of 8.0 MiB free; " in sender and "docker run --shm-size" in sender, sender
-    # The cause as rank 0 published it (its middle cut to fit the control block).
+    # The cause as rank 0 published it, whole: the numbers and the fix.
     assert "hca recv from rank 0 (tag 0, 1000 x float32): rank 0 failed: the point-to-point" in receiver \
-        and " of 8.0 MiB free; " in receiver, receiver
+        and " of 8.0 MiB free; " in receiver and "docker run --shm-size" in receiver, receiver
 
 
 def test_mailbox_rings_shrink_beyond_16_ranks_to_stay_within_16_mib():

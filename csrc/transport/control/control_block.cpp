@@ -14,7 +14,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 7;
+constexpr uint32_t kLayoutVersion = 8;
 
 }  // namespace
 
@@ -85,8 +85,9 @@ namespace {
 
 // Text from a slot, which another process wrote: bounded, and printable ASCII
 // only (it ends up in a Python exception's message, which must decode).
-std::string slot_text(const char* text) {
-  std::string out(text, strnlen(text, kSignatureBytes));
+template <size_t N>
+std::string slot_text(const char (&text)[N]) {
+  std::string out(text, strnlen(text, N));
   for (char& c : out) {
     if (c < 0x20 || c > 0x7e) c = '?';
   }
@@ -265,8 +266,8 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
 void ControlBlock::scribble_for_test(uint64_t seed) {
   std::mt19937_64 rng(seed);
   RankSlot& mine = slot(rank_);
-  auto text = [&](char* to) {
-    for (size_t i = 0; i < kSignatureBytes; ++i) to[i] = static_cast<char>(1 + rng() % 255);
+  auto text = [&](auto& to) {
+    for (char& c : to) c = static_cast<char>(1 + rng() % 255);
   };
   text(mine.signature[0]);
   text(mine.signature[1]);
@@ -283,8 +284,10 @@ void ControlBlock::publish_failure(const Failure& failure) {
   std::lock_guard<std::mutex> lock(publishing_);
   RankSlot& mine = slot(rank_);
   if (mine.failed.load(std::memory_order_relaxed)) return;  // the first cause only
-  std::strncpy(mine.failure, failure.cause().c_str(), kSignatureBytes - 1);
-  mine.failure[kSignatureBytes - 1] = '\0';
+  const std::string& cause = failure.cause();
+  std::strncpy(mine.failure, cause.c_str(), kCauseBytes - 1);
+  mine.failure[kCauseBytes - 1] = '\0';
+  if (cause.size() >= kCauseBytes) std::memcpy(mine.failure + kCauseBytes - 4, "...", 3);  // says it was cut
   mine.failed.store(static_cast<uint32_t>(failure.kind()), std::memory_order_release);
 }
 

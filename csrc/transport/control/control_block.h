@@ -20,7 +20,10 @@
 
 namespace hca {
 
-constexpr size_t kSignatureBytes = 240;  // signatures and failure causes, NUL included
+constexpr size_t kSignatureBytes = 240;  // a collective's signature, NUL included
+// A failure's cause, NUL included: room for the longest hca writes (a full /dev/shm's, with
+// the numbers and the fix), so that peers report it whole.
+constexpr size_t kCauseBytes = 1024;
 constexpr size_t kCacheLine = 128;       // covers adjacent-line prefetch too
 
 // One progress word per kind of executor: a shared-memory collective must not
@@ -55,7 +58,7 @@ struct alignas(kCacheLine) RankSlot {
   char signature[2][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
-  char failure[kSignatureBytes];
+  char failure[kCauseBytes];
   // Monitored barriers this rank passed (rank 0: released).
   std::atomic<uint64_t> monitored;
 };
