@@ -352,7 +352,8 @@ def main(argv=None):
     stamp = datetime.date.today().isoformat()
     name = f"cpu-training-ranks{args.world_sizes.replace(',', '_')}{'-short' if args.short else ''}{args.tag}-{stamp}"
     meta = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
-                date=stamp, command=" ".join(sys.argv))
+                date=stamp, command=" ".join(sys.argv),
+                environment={k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "TORCH_HCA_"))})
     with open(os.path.join(args.out, name + ".json"), "w") as f:
         json.dump(dict(meta=meta, table=table, launches=rows), f, indent=1)
     plot(table, os.path.join(args.out, name + ".png"), f"training steps, CPU ranks, {stamp} ({os.cpu_count()} cores)")
