@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-
 #include "../../transport/nccl/passthrough.hpp"
 #include "../calls/call_args.hpp"
 #include "../calls/stream_call.hpp"
@@ -41,20 +39,15 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   if (opts.reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) args.reduce_op(opts.reduceOp);
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
   settle_post_step();  // the packs reach the engine here, before issue
-  auto packs = make_packs(args.descs(), packing_);
-  // Whether hca writes the tensors after the engine's sum. On CUDA, those writes run on the
-  // group's stream, which the engine's next call does not wait for (NCCL orders its calls on
-  // its own stream): a later call on these tensors (in place, the same tensor again, as NCCL
-  // allows before wait()) must wait for them. On CPU, only the arithmetic is waited for.
-  const bool copied = args.copies() || std::any_of(packs.begin(), packs.end(), [](const Pack& pack) {
-                        return pack.segments.size() > 1;
-                      });
-  const bool arithmetic = scale || opts.reduceOp == c10d::ReduceOp::AVG;
-  const bool after_engine = args.device().is_cpu() ? arithmetic : arithmetic || copied;
-  auto packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
-                                                        std::move(packs),
-                                                        scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp,
-                                                        timeout);
+  auto packed = std::make_shared<nccl::PackedAllreduce>(
+      engine(tensors[0], "allreduce"), args.dense(), make_packs(args.descs(), packing_),
+      scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp, timeout);
+  // Whether the next call waits for hca's writes after the engine's sum. On CUDA, every such
+  // write runs on the group's stream, which the engine's next call does not wait for (NCCL
+  // orders its calls on its own stream): a later call on these tensors (in place, the same
+  // tensor again, as NCCL allows before wait()) must wait for them. On CPU, only the arithmetic.
+  const bool after_engine = args.device().is_cpu() ? scale || opts.reduceOp == c10d::ReduceOp::AVG
+                                                   : packed->writes_tensors() || args.copies();
   std::function<void()> body = [packed, args, scale] {
     packed->finish();
     if (scale) {

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 namespace hca::nccl {
 namespace {
 
@@ -51,6 +53,10 @@ void PackedAllreduce::finish() {
     if (average_) flats_[p].div_(world_);
     unpack(flats_[p], tensors_, packs_[p]);
   }
+}
+
+bool PackedAllreduce::writes_tensors() const {
+  return average_ || std::any_of(packs_.begin(), packs_.end(), [](const Pack& pack) { return pack.segments.size() > 1; });
 }
 
 }  // namespace hca::nccl

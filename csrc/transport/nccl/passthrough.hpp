@@ -28,6 +28,9 @@ class PackedAllreduce {
   PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
                   c10d::ReduceOp op, std::chrono::milliseconds timeout);
   void finish();
+  // Whether finish() writes into the tensors: AVG's division, or a pack concatenated from
+  // several runs copied back (a pack that is one run is summed in place by the engine).
+  bool writes_tensors() const;
 
  private:
   std::vector<at::Tensor> tensors_;
