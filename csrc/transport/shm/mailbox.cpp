@@ -122,12 +122,17 @@ struct Mailbox::Pending {
 // A frame's bytes count against the process's budget until its buffer is freed
 // (made in place by make_shared only: a moved-from Stash would give them back twice).
 struct Mailbox::Stash {
+  Stash(int src, const Frame& frame, std::unique_ptr<char[]> data)
+      : src(src), frame(frame), data(std::move(data)) {}
+  Stash(const Stash&) = delete;
+  Stash& operator=(const Stash&) = delete;
+  ~Stash() { stashed_in_process.fetch_sub(frame.bytes); }
+
   int src;
   Frame frame;
   std::unique_ptr<char[]> data;
   bool complete = false;
   std::shared_ptr<Pending> claimed;  // the receive it belongs to, once posted
-  ~Stash() { stashed_in_process.fetch_sub(frame.bytes); }
 };
 
 struct Mailbox::Incoming {
