@@ -9,6 +9,7 @@ CPU tensors only.
 """
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -41,17 +42,24 @@ def with_cuda():
     return True
 
 
-# No -std: torch's build adds the standard its headers need (C++17 up to 2.13, C++20 from 2.14 on).
+# No -std: torch's build adds the standard its headers need (C++17 for torch 2.11, C++20 for 2.13).
 CXX_FLAGS = ["-O3"]
+# A compiler that links its C++ runtime into shared objects statically (the lent GPU machines'
+# does) left that copy's symbols exported: with Python's -Bsymbolic-functions the extension ran
+# its own copy's functions on the process's copy's data (locale facets), and formatting an integer
+# into a stream crashed. Hidden, the copy is whole; where the runtime is shared, nothing changes.
+LINK_FLAGS = ["-Wl,--exclude-libs,ALL"] if sys.platform.startswith("linux") else []
 if with_cuda():
     extension = CUDAExtension(
         "torch_hca._C",
         sources(CPU_FOLDERS) + sources(CUDA_FOLDERS, ("*.cpp", "*.cu")),
         extra_compile_args={"cxx": CXX_FLAGS + ["-DHCA_WITH_CUDA"], "nvcc": ["-O3", "-DHCA_WITH_CUDA"]},
+        extra_link_args=LINK_FLAGS,
         libraries=["rt"],
     )
 else:
-    extension = CppExtension("torch_hca._C", sources(CPU_FOLDERS), extra_compile_args=CXX_FLAGS, libraries=["rt"])
+    extension = CppExtension("torch_hca._C", sources(CPU_FOLDERS), extra_compile_args=CXX_FLAGS,
+                             extra_link_args=LINK_FLAGS, libraries=["rt"])
 
 class BuildExtensionNamingItsTorch(BuildExtension):
     """torch's build, which also writes the torch it built against beside the extension

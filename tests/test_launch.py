@@ -1,6 +1,7 @@
 """The init methods users launch with: torchrun (env://) and tcp://."""
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -8,6 +9,8 @@ import textwrap
 
 import pytest
 import torch
+
+import torch_hca
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch_hca
@@ -109,3 +112,17 @@ def test_the_package_version_names_the_torch_it_builds_against():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "0.1.0+torch" + torch.__version__.replace("+", ".")
+
+
+def test_the_extension_keeps_a_static_cxx_runtime_to_itself():
+    """A toolchain that links its C++ runtime into shared objects statically (the lent GPU
+    machines' does) must leave that copy hidden (setup.py's --exclude-libs): exported, its
+    functions ran on the process's copy's data, and formatting an integer into a stream crashed.
+    Only a C++ runtime defines these two symbols; a build that shares the runtime has neither."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not found")
+    out = subprocess.run([nm, "-D", "--defined-only", torch_hca._C.__file__], capture_output=True, text=True,
+                         timeout=60, check=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
+    assert not exported & {"_ZNSt6locale7classicEv", "_ZNSo9_M_insertIlEERSoT_"}
