@@ -40,18 +40,25 @@ def _checked_allreduce(rank, world, group, case):
     return mismatch(f"allreduce {case}", t, reduce_reference(inputs, "SUM"), world)
 
 
-def _kept_after_destroy(rank, world):
-    """A group referenced after destroy_process_group (as a DDP model in scope keeps its group):
-    threads and mappings before it, while it runs, after the destroy; and a later call's error."""
-    dist.barrier()  # the world group's executor is set up at its first collective: before the count
-    threads, mappings = [_threads()], [_mappings()]
+def _used_group(rank, world, case):
+    """A new group after an all-reduce and a send and receive on it: (group, what went wrong)."""
     group = dist.new_group(backend="hca")
-    wrong = _checked_allreduce(rank, world, group, 1)
+    wrong = _checked_allreduce(rank, world, group, case)
     peer = (rank + 1) % world
     recv = dist.irecv(torch.empty(10), src=(rank - 1) % world, group=group)  # starts the mailbox's thread
     dist.send(torch.ones(10), dst=peer, group=group)
     recv.wait()
     del recv  # on the model of the device its stream's event keeps that stream (a thread) while it lives
+    return group, wrong
+
+
+def _kept_after_destroy(rank, world):
+    """A group referenced after destroy_process_group (as a DDP model in scope keeps its group):
+    threads and mappings before it, while it runs, after the destroy, and after a second group's
+    life; what went wrong in either; and a later call's error."""
+    dist.barrier()  # the world group's executor is set up at its first collective: before the count
+    threads, mappings = [_threads()], [_mappings()]
+    group, wrong = _used_group(rank, world, 1)
     threads.append(_threads())
     mappings.append(_mappings())
     dist.barrier()  # every rank is done with the group before any destroys it
@@ -59,7 +66,12 @@ def _kept_after_destroy(rank, world):
     threads.append(_threads())
     mappings.append(_mappings())
     message = raises(lambda: group.allreduce([torch.ones(4)]).wait(), dist.DistBackendError)
-    return threads, mappings, wrong, message
+    second, wrong_second = _used_group(rank, world, 2)
+    dist.barrier()
+    dist.destroy_process_group(second)
+    threads.append(_threads())
+    mappings.append(_mappings())
+    return threads, mappings, wrong or wrong_second, message
 
 
 @pytest.mark.parametrize("layout", EXECUTORS)  # across nodes, gloo keeps its threads (it has no shutdown)
@@ -67,7 +79,11 @@ def test_a_group_kept_after_destroy_lets_go_of_its_threads_and_memory(layout):
     for threads, mappings, wrong, message in run_ranks(_kept_after_destroy, 3, **_layout(layout)):
         assert wrong is None, wrong
         assert threads[1] > threads[0] and mappings[1] > mappings[0], (threads, mappings)
-        assert threads[2] <= threads[0] and mappings[2] == mappings[0], (threads, mappings)
+        # The group's streams outlive it, for tensors that used them (on the model, a thread each:
+        # its collectives' and its messages'), and serve the next group: the second adds nothing.
+        kept_streams = 2 if layout == STREAMS_ENV else 0
+        assert threads[2] <= threads[0] + kept_streams and mappings[2] == mappings[0], (threads, mappings)
+        assert threads[3] <= threads[2] and mappings[3] == mappings[0], (threads, mappings)
         assert "this process group was shut down" in message or "the process group was shut down" in message, message
 
 

@@ -2,6 +2,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <utility>
+#include <vector>
+
+#include "../group/owning_process.hpp"
 #include "../group/process_group_hca.hpp"
 
 namespace hca {
@@ -16,6 +20,52 @@ void as_backend_error(Fn fn) {
   } catch (const Failure& failure) {
     C10_THROW_ERROR(DistBackendError, failure.what());
   }
+}
+
+// The streams of destroyed groups, reused by later groups instead of destroyed:
+// freeing a tensor that a stream used (recordStream, as point-to-point calls
+// leave their tensors) makes torch's caching allocator record an event on that
+// stream, so a stream must outlive every such tensor, which the user may keep
+// past the group's end (torch's own stream pool never destroys its streams).
+class IdleStreams {
+ public:
+  DeviceRuntime::Stream take(DeviceRuntime& runtime, int device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      forget_the_parents();
+      auto& idle = idle_[{&runtime, device}];
+      if (!idle.empty()) {
+        const DeviceRuntime::Stream stream = idle.back();
+        idle.pop_back();
+        return stream;
+      }
+    }
+    return runtime.create_stream();
+  }
+  // With work still queued on it: a later group's work runs after it.
+  void give_back(DeviceRuntime& runtime, int device, DeviceRuntime::Stream stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forget_the_parents();
+    idle_[{&runtime, device}].push_back(stream);
+  }
+
+ private:
+  // A forked child cannot use its parent's streams (CUDA refuses; the model's
+  // stream threads are not copied): they are left, never used.
+  void forget_the_parents() {
+    if (forks_ == forks_so_far()) return;
+    idle_.clear();
+    forks_ = forks_so_far();
+  }
+
+  std::mutex mutex_;
+  uint64_t forks_ = forks_so_far();
+  std::map<std::pair<DeviceRuntime*, int>, std::vector<DeviceRuntime::Stream>> idle_;
+};
+
+IdleStreams& idle_streams() {
+  static auto* streams = new IdleStreams();  // never destroyed: groups may end at exit
+  return *streams;
 }
 
 }  // namespace
@@ -116,15 +166,7 @@ CallStreams::CallStreams(DeviceRuntime& runtime, std::function<int(const at::Dev
       make_(std::move(make)) {}
 
 CallStreams::~CallStreams() {
-  // Work still queued on a stream completes before its resources go.
-  for (const auto& [device, stream] : streams_) {
-    try {
-      DeviceGuard guard(runtime_, device);
-      runtime_.destroy_stream(stream);
-    } catch (...) {
-      // A faulted device.
-    }
-  }
+  for (const auto& [device, stream] : streams_) idle_streams().give_back(runtime_, device, stream);
 }
 
 std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
@@ -138,7 +180,7 @@ std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& internal = streams_[index];
-    if (!internal) as_backend_error([&] { internal = runtime_.create_stream(); });
+    if (!internal) as_backend_error([&] { internal = idle_streams().take(runtime_, index); });
     stream = internal;
   }
   return make_(index, stream, caller);

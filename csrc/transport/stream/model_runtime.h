@@ -15,6 +15,7 @@
 // for that stream, and every other device call from that thread fails meanwhile
 // (stricter than CUDA's global capture mode, which refuses only unsafe calls).
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -69,6 +70,12 @@ class ModelRuntime final : public DeviceRuntime {
   HostStream& launch_on(Stream stream);
   // The devices this process has a context on.
   std::vector<int> contexts();
+  // As torch's caching allocator hears that `stream` used memory (recordStream):
+  // freeing that memory records an event on the stream, so the stream must
+  // outlive it; `allocated` says whether it still is. A stream destroyed while
+  // such memory outlives its queued work aborts the process once that work has
+  // run, as the later free does on a GPU (cudaErrorContextIsDestroyed).
+  void record_memory_use(Stream stream, std::function<bool()> allocated);
 
  private:
   ModelRuntime();
@@ -90,6 +97,7 @@ class ModelRuntime final : public DeviceRuntime {
   std::vector<int> exclusive_locks_;  // descriptors held for the process's life
   std::map<int, std::unique_ptr<HostStream>> legacy_;
   std::map<HostStream*, std::shared_ptr<HostStream>> streams_;
+  std::map<HostStream*, std::vector<std::function<bool()>>> memory_uses_;
   std::set<Stream> capturing_;
 };
 
