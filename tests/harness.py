@@ -98,9 +98,13 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
                 p.join()
     errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(got.items()) if s == "error"]
     missing = [r for r in range(world_size) if r not in got and r not in allow_missing]
-    if errors or missing:
+    # A rank that gave its result and then never ended hung in destroy_process_group or at exit.
+    stuck = sorted(r for r in got if ends[r] == "hung")
+    if errors or missing or stuck:
         how = ", ".join(f"rank {r}: " + (ends[r] if ends[r] == "hung" else f"exit code {ends[r]}") for r in missing)
-        raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} ({how})" if missing else ""))
+        raise RankFailed("\n".join(errors) + (f"\nno result from ranks {missing} ({how})" if missing else "") +
+                         (f"\nranks {stuck} gave their results but did not end by the deadline (hung in "
+                          "destroy_process_group or at exit)" if stuck else ""))
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 

@@ -20,6 +20,41 @@
 namespace py = pybind11;
 
 namespace hca {
+
+// The holder of the backends' Python objects: the last Python reference
+// destroys the group with the GIL released, as torch's own groups are held.
+// Destroying a group joins threads (its own, or a stock engine's) that may
+// need the GIL to finish: gloo's run loop, on torch 2.14, frees the tensors of
+// the last call it ran (Python's) as it stops, and waited for the GIL for ever
+// while the destroying thread held it. One intrusive_ptr and nothing else:
+// pybind11 reads torch's holders of c10d::Backend as this one.
+template <class T>
+class GilFreeDestroy {
+ public:
+  GilFreeDestroy() = default;
+  explicit GilFreeDestroy(T* raw) : ptr_(c10::intrusive_ptr<T>::unsafe_reclaim_from_nonowning(raw)) {}
+  explicit GilFreeDestroy(c10::intrusive_ptr<T> ptr) : ptr_(std::move(ptr)) {}
+  GilFreeDestroy(const GilFreeDestroy&) = default;
+  GilFreeDestroy(GilFreeDestroy&&) noexcept = default;
+  GilFreeDestroy& operator=(const GilFreeDestroy&) = default;
+  GilFreeDestroy& operator=(GilFreeDestroy&&) noexcept = default;
+  ~GilFreeDestroy() {
+    if (ptr_ && PyGILState_Check()) {
+      py::gil_scoped_release released;
+      ptr_.reset();
+    }
+  }
+  T* get() const { return ptr_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> ptr_;
+};
+
+}  // namespace hca
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, hca::GilFreeDestroy<T>, true);
+
+namespace hca {
 namespace {
 
 // std::invalid_argument from the plan surfaces as ValueError.
@@ -149,7 +184,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("algorithm", [](const PlanOptions& o) { return algorithm_name(o.algorithm); })
       .def_readonly("packing", &PlanOptions::packing);
 
-  py::class_<ProcessGroupHCA, c10d::Backend, c10::intrusive_ptr<ProcessGroupHCA>>(m, "ProcessGroupHCA")
+  py::class_<ProcessGroupHCA, c10d::Backend, GilFreeDestroy<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
                        int cuda_slots, bool cuda_host_staging, const std::string& cpu_executor,
@@ -161,10 +196,9 @@ PYBIND11_MODULE(_C, m) {
                throw py::value_error("TORCH_HCA_CPU_EXECUTOR='" + cpu_executor +
                                     "': expected 'shm' (the default) or 'streams' (the stream executor on host threads)");
              }
-             return c10::make_intrusive<ProcessGroupHCA>(store, rank, size, std::chrono::milliseconds(timeout_ms),
-                                                         options, shm_slot_bytes, shm_slots,
-                                                         cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu,
-                                                         cuda_groups);
+             return GilFreeDestroy(c10::make_intrusive<ProcessGroupHCA>(
+                 store, rank, size, std::chrono::milliseconds(timeout_ms), options, shm_slot_bytes, shm_slots,
+                 cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu, cuda_groups));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
@@ -181,12 +215,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property("_global_ranks", [](ProcessGroupHCA& pg) { return pg.calls().global_ranks(); },
                     [](ProcessGroupHCA& pg, const std::vector<int64_t>& ranks) { pg.calls().set_global_ranks(ranks); });
 
-  py::class_<PassthroughBackend, c10d::Backend, c10::intrusive_ptr<PassthroughBackend>>(m, "PassthroughBackend")
+  py::class_<PassthroughBackend, c10d::Backend, GilFreeDestroy<PassthroughBackend>>(m, "PassthroughBackend")
       .def(py::init([](int rank, int size, int64_t timeout_ms, const PackingOptions& packing,
                        const c10::intrusive_ptr<c10d::Backend>& cpu_engine,
                        const c10::intrusive_ptr<c10d::Backend>& cuda_engine) {
-             return c10::make_intrusive<PassthroughBackend>(rank, size, std::chrono::milliseconds(timeout_ms), packing,
-                                                            Engines{cpu_engine, cuda_engine});
+             return GilFreeDestroy(c10::make_intrusive<PassthroughBackend>(
+                 rank, size, std::chrono::milliseconds(timeout_ms), packing, Engines{cpu_engine, cuda_engine}));
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
            py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
@@ -197,17 +231,19 @@ PYBIND11_MODULE(_C, m) {
                     });
 
   using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
-  py::class_<NodeBackend, c10d::Backend, c10::intrusive_ptr<NodeBackend>>(m, "NodeBackend")
+  py::class_<NodeBackend, c10d::Backend, GilFreeDestroy<NodeBackend>>(m, "NodeBackend")
       .def(py::init([](int rank, int size, int64_t timeout_ms, const PlanOptions& options,
-                       const std::vector<std::string>& node_identities, const c10::intrusive_ptr<ProcessGroupHCA>& local,
+                       const std::vector<std::string>& node_identities, ProcessGroupHCA& local,
                        const std::map<int, BackendPtr>& leader_cpu, const std::map<int, BackendPtr>& leader_cuda,
                        const BackendPtr& world_cpu, const BackendPtr& world_cuda) {
              std::map<int, Engines> leaders;
              for (const auto& [position, engine] : leader_cpu) leaders[position].cpu = engine;
              for (const auto& [position, engine] : leader_cuda) leaders[position].cuda = engine;
-             return c10::make_intrusive<NodeBackend>(rank, size, std::chrono::milliseconds(timeout_ms), options,
-                                                     checked([&] { return group_by_node(node_identities); }), local,
-                                                     std::move(leaders), Engines{world_cpu, world_cuda});
+             return GilFreeDestroy(c10::make_intrusive<NodeBackend>(
+                 rank, size, std::chrono::milliseconds(timeout_ms), options,
+                 checked([&] { return group_by_node(node_identities); }),
+                 c10::intrusive_ptr<ProcessGroupHCA>::unsafe_reclaim_from_nonowning(&local), std::move(leaders),
+                 Engines{world_cpu, world_cuda}));
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"), py::arg("node_identities"),
            py::arg("local"), py::arg("leader_cpu"), py::arg("leader_cuda"), py::arg("world_cpu"),
