@@ -10,7 +10,8 @@
 #   check     python -m torch_hca.check on CUDA tensors, 2 and 3 ranks on the GPU(s) (every op, dtype, algorithm)
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
-#             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes)
+#             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes);
+#             PERF_WORLD_SIZES (default 1,2) names other world sizes, e.g. 3,4
 #   bash tools/gpu_session.sh smoke loops probes tests:test_cuda.py
 # Logs go to $OUT/logs.tar.gz (the device tool brings back 8 files at most), results (JSON, PNG)
 # beside it; $OUT is the device tool's output folder, ./gpu-out elsewhere. Without a GPU every
@@ -124,7 +125,7 @@ run_phase() {
     local chunk rc=0 runs=3
     for chunk in 1 8 64; do
       TORCH_HCA_CUDA_CHUNK_BYTES=$((chunk << 20)) bounded "$(( $(left) / runs ))" $PYTHON benchmarks/bench.py \
-        --world-sizes 1,2 --ops all_reduce --step 16 --out "$OUT/perf/chunk${chunk}MiB" || rc=1
+        --world-sizes "${PERF_WORLD_SIZES:-1,2}" --ops all_reduce --step 16 --out "$OUT/perf/chunk${chunk}MiB" || rc=1
       runs=$((runs - 1))
     done
     rm -f "$OUT"/perf/*/*.png  # the JSON holds the numbers; the device tool brings back 8 files at most
