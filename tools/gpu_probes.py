@@ -27,7 +27,10 @@ KERNEL_MS = 50.0
 
 
 def _sleep_cycles(ms):
-    """torch.cuda._sleep cycles for about `ms` on this GPU, measured."""
+    """torch.cuda._sleep cycles for about `ms` on this GPU, measured (with the GPU to itself: a
+    peer's kernels would share its time and make the count far too small)."""
+    torch.cuda._sleep(1000)  # the first launch loads the kernel
+    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     torch.cuda._sleep(1_000_000)
@@ -52,10 +55,15 @@ def _t1_rank(rank, world, init, results):
     t = torch.ones(1 << 20, device="cuda")
     dist.all_reduce(t)  # set-up (IPC, registration) outside the timing
     torch.cuda.synchronize()
-    cycles = _sleep_cycles(KERNEL_MS)
-    alone = _timed_sleep(cycles)
-    alone[1].synchronize()
-    dist.barrier()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.ones(1000, device="cuda").sum().item()  # the side stream's first work, outside the timing
+    for turn in range(world):  # one rank at a time, so that each has the GPU to itself
+        if rank == turn:
+            cycles = _sleep_cycles(KERNEL_MS)
+            alone = _timed_sleep(cycles)
+            alone[1].synchronize()
+        dist.barrier()
     row = {"rank": rank, "kernel_alone_ms": alone[0].elapsed_time(alone[1])}
     begin = time.perf_counter()
     if rank == 0:
@@ -65,7 +73,6 @@ def _t1_rank(rank, world, init, results):
         row["kernel_while_peer_waits_ms"] = busy[0].elapsed_time(busy[1])
     else:
         dist.all_reduce(t)  # issued at once: its stream waits on rank 0's flag
-        side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             t0 = time.perf_counter()
             torch.ones(1000, device="cuda").sum().item()  # another stream of the waiting process
