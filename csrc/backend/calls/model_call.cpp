@@ -51,10 +51,6 @@ class ModelCall final : public StreamCall {
   }
 
   void keep_until_passed(std::shared_ptr<const CallTensors> kept) const override {
-    kept->each([&](const at::Tensor& t) {  // as CUDA's recordStream: the stream must outlive the memory
-      if (!t.defined() || !t.has_storage()) return;
-      model().record_memory_use(stream(), [weak = t.storage().getWeakStorageImpl()] { return !weak.expired(); });
-    });
     on_stream([kept = std::move(kept)] {});  // dropped (and poisoned) once the stream ran it
   }
 

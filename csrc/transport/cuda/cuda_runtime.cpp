@@ -38,7 +38,6 @@ class CudaRuntime final : public DeviceRuntime {
     check(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest), "cudaStreamCreateWithPriority");
     return stream;
   }
-  void destroy_stream(Stream stream) override { cudaStreamDestroy(as_stream(stream)); }
   Event create_event() override {
     cudaEvent_t event = nullptr;
     check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");

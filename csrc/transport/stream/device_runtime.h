@@ -36,9 +36,10 @@ class DeviceRuntime {
   virtual bool has_context(int device) = 0;
 
   // A stream of the current device, of the highest priority, not ordered with
-  // the legacy default stream.
+  // the legacy default stream. Never destroyed: freeing memory a stream used
+  // (recordStream) records an event on that stream, however long after, so
+  // streams are pooled instead (torch never destroys its pooled streams either).
   virtual Stream create_stream() = 0;
-  virtual void destroy_stream(Stream stream) = 0;
   // An event of the current device, without timing.
   virtual Event create_event() = 0;
   virtual void destroy_event(Event event) = 0;

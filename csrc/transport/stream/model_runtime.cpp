@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -143,45 +142,6 @@ DeviceRuntime::Stream ModelRuntime::create_stream() {
   std::lock_guard<std::mutex> lock(mutex_);
   streams_[stream.get()] = stream;
   return stream.get();
-}
-
-void ModelRuntime::destroy_stream(Stream stream) {
-  refuse_while_capturing("cudaStreamDestroy");
-  with_context();
-  std::shared_ptr<HostStream> last;
-  std::vector<std::function<bool()>> uses;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto found = streams_.find(static_cast<HostStream*>(stream));
-    if (found == streams_.end()) cuda_error("cudaStreamDestroy", "invalid resource handle");
-    last = std::move(found->second);
-    streams_.erase(found);
-    auto used = memory_uses_.find(last.get());
-    if (used != memory_uses_.end()) {
-      uses = std::move(used->second);
-      memory_uses_.erase(used);
-    }
-  }
-  // Work still queued on it runs to its end first (events recorded on it keep it).
-  if (uses.empty()) return;
-  last->issue([uses = std::move(uses)] {
-    for (const auto& allocated : uses) {
-      if (!allocated()) continue;
-      std::fprintf(stderr, "hca model: a stream was destroyed while memory it used (recordStream) is still "
-                           "allocated; freeing that memory would record an event on the destroyed stream, which "
-                           "aborts a CUDA process\n");
-      std::abort();
-    }
-  });
-}
-
-void ModelRuntime::record_memory_use(Stream stream, std::function<bool()> allocated) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto& uses = memory_uses_[static_cast<HostStream*>(stream)];
-  if (uses.size() >= 256) {  // a stream that lives on: what was freed since needs no check
-    uses.erase(std::remove_if(uses.begin(), uses.end(), [](const auto& still) { return !still(); }), uses.end());
-  }
-  uses.push_back(std::move(allocated));
 }
 
 DeviceRuntime::Stream ModelRuntime::current_stream(int device) {

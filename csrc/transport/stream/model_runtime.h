@@ -15,7 +15,6 @@
 // for that stream, and every other device call from that thread fails meanwhile
 // (stricter than CUDA's global capture mode, which refuses only unsafe calls).
 #pragma once
-#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -48,7 +47,6 @@ class ModelRuntime final : public DeviceRuntime {
   void restore_device(int device) override { current_device_of_thread() = device; }
   bool has_context(int device) override;
   Stream create_stream() override;
-  void destroy_stream(Stream stream) override;
   Event create_event() override;
   void destroy_event(Event event) override;
   void record(Event event, Stream stream) override;
@@ -70,12 +68,6 @@ class ModelRuntime final : public DeviceRuntime {
   HostStream& launch_on(Stream stream);
   // The devices this process has a context on.
   std::vector<int> contexts();
-  // As torch's caching allocator hears that `stream` used memory (recordStream):
-  // freeing that memory records an event on the stream, so the stream must
-  // outlive it; `allocated` says whether it still is. A stream destroyed while
-  // such memory outlives its queued work aborts the process once that work has
-  // run, as the later free does on a GPU (cudaErrorContextIsDestroyed).
-  void record_memory_use(Stream stream, std::function<bool()> allocated);
 
  private:
   ModelRuntime();
@@ -97,7 +89,6 @@ class ModelRuntime final : public DeviceRuntime {
   std::vector<int> exclusive_locks_;  // descriptors held for the process's life
   std::map<int, std::unique_ptr<HostStream>> legacy_;
   std::map<HostStream*, std::shared_ptr<HostStream>> streams_;
-  std::map<HostStream*, std::vector<std::function<bool()>>> memory_uses_;
   std::set<Stream> capturing_;
 };
 
