@@ -87,6 +87,30 @@ def test_a_group_kept_after_destroy_lets_go_of_its_threads_and_memory(layout):
         assert "this process group was shut down" in message or "the process group was shut down" in message, message
 
 
+def _messages_on_four_groups(rank, world):
+    """Threads before four groups' messages, after them, and after the groups are destroyed."""
+    groups = [dist.new_group() for _ in range(4)]
+    for group in groups:
+        _checked_allreduce(rank, world, group, 3)  # each group's own threads (its collectives') started
+    threads = [_threads()]
+    for group in groups:
+        recv = dist.irecv(torch.empty(10), src=(rank - 1) % world, group=group)
+        dist.send(torch.ones(10), dst=(rank + 1) % world, group=group)
+        recv.wait()
+    threads.append(_threads())
+    dist.barrier()
+    for group in groups:
+        dist.destroy_process_group(group)
+    threads.append(_threads())
+    return threads
+
+
+def test_a_process_moves_the_messages_of_all_its_groups_on_one_thread():
+    """DeviceMesh makes several groups: each used to start a message thread of its own."""
+    for before, during, after in run_ranks(_messages_on_four_groups, 3):
+        assert during == before + 1 and after < before, (before, during, after)
+
+
 def _ended_with_work_pending(rank, world, how):
     """Rank 0 aborts a group with a receive and a collective pending, or destroys it; the others
     then call into it. What each rank's calls raised, and how long they took."""
@@ -312,13 +336,18 @@ def _ended_from_its_own_callback(rank, world, how, kind):
     """A Future's callback ends its own group (shutdown, abort, destroy_process_group) on the
     thread that completed the Future: the group's worker (a collective) or its message thread (a
     receive). Rank 1 joins 0.3 s late, so that rank 0's callback is attached before completion.
-    What the callback's end did, whether it ran off the main thread, and what a later call raises."""
+    What the callback's end did, whether it ran off the main thread, and what a later call raises.
+    Before a shutdown from a receive's callback, that callback sends rank 1 a message nobody waits
+    on: shutting down delivers it (another thread moves it while the callback waits)."""
     group = dist.new_group()
     backend = group._get_backend(torch.device("cpu"))
     seen = []
+    sends_first = kind == "message" and how == "shutdown"
 
     def end(_):
         seen.append(threading.current_thread() is not threading.main_thread())
+        if sends_first:
+            dist.isend(torch.arange(1000.0), 1, group=group)
         ends = {"shutdown": backend.shutdown, "abort": backend.abort,
                 "destroy": lambda: dist.destroy_process_group(group)}
         seen.append(raises(ends[how], Exception))
@@ -331,8 +360,11 @@ def _ended_from_its_own_callback(rank, world, how, kind):
         fut = dist.irecv(torch.empty(1000), 1, group=group).get_future()
     else:
         dist.send(torch.ones(1000), 0, group=group)
+        got = torch.empty(1000)
+        if sends_first:
+            dist.recv(got, 0, group=group)
         dist.barrier()
-        return None
+        return torch.equal(got, torch.arange(1000.0)) if sends_first else None
     fut.then(end).wait()
     later = raises(lambda: backend.allreduce([torch.ones(4)]).wait(), dist.DistBackendError)
     dist.barrier()
@@ -346,5 +378,7 @@ def test_a_group_ended_from_its_own_future_callback(kind, how):
     results = run_ranks(_ended_from_its_own_callback, 2, how, kind)
     off_main, outcome = results[0][0]
     later = results[0][1]
+    if kind == "message":
+        assert results[1] is (how == "shutdown" or None), results[1]  # rank 1 got the callback's message
     assert off_main and outcome == "UNEXPECTED: no exception", results[0]
     assert "shut down" in later or "aborted" in later, later

@@ -248,6 +248,46 @@ def test_a_send_nobody_waited_on_is_delivered_before_its_group_shuts_down(device
     assert seconds < 10, seconds  # the transfer's time, not the group's timeout
 
 
+def _messages_from_a_callback(rank, world, device, where):
+    """Each rank's receive has a Future callback, attached before the message comes, that sends
+    and receives (blocking) on its own group or on another one, and waits on a receive posted
+    before it: the callback runs on the thread that moves messages, which must not wait for
+    itself (it hung on its own group; with one such thread per process, on any group)."""
+    import threading
+    dev, other = rank_device(device, rank), dist.new_group()
+    group = None if where == "same" else other
+    dst, src = (rank + 1) % world, (rank - 1) % world
+    trigger = torch.empty(7, device=dev)
+    early = torch.empty(BIG, device=dev)
+    early_work = dist.irecv(early, src, tag=5)
+
+    def callback(_):
+        dist.send(_data(rank, dst, 3, BIG, dev=dev), dst, group=group, tag=3)
+        got = torch.empty(BIG, device=dev)
+        dist.recv(got, src, group=group, tag=3)
+        dist.send(_data(rank, dst, 5, BIG, dev=dev), dst, tag=5)
+        early_work.wait()
+        return [threading.current_thread() is not threading.main_thread(),
+                _wrong("in the callback", got, _data(src, rank, 3, BIG)), _wrong("posted before", early, _data(src, rank, 5, BIG))]
+
+    fut = dist.irecv(trigger, src).get_future().then(callback)
+    dist.barrier()  # every callback attached before any message comes
+    dist.send(_data(rank, dst, 0, 7, dev=dev), dst)
+    off_main, *wrong = fut.wait()
+    wrong.append(_wrong("trigger", trigger, _data(src, rank, 0, 7)))
+    return off_main, [w for w in wrong if w]
+
+
+@pytest.mark.parametrize("where", ["same", "other"])
+def test_a_callback_may_send_and_receive(where, device):
+    if os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams":
+        pytest.skip("the CPU model of the device completes a Future on its stream's own thread, where a callback "
+                    "that waits for a message waits for that stream; a CUDA Future completes on the thread that "
+                    "finished the call, the progress thread, as CPU tensors' do")
+    for off_main, wrong in run_ranks(_messages_from_a_callback, 3, device, where):
+        assert off_main and wrong == [], (off_main, wrong)
+
+
 def _misfit(rank, world):
     """A message that does not fit the receive fails that receive (ValueError), is consumed,
     and the channel goes on working."""

@@ -2,6 +2,8 @@
 
 #include <ATen/core/jit_type.h>
 
+#include "../../transport/shm/progress.h"
+
 namespace hca {
 namespace {
 
@@ -124,6 +126,7 @@ WorkHCA::WorkHCA(int rank, c10d::OpType type, std::vector<at::Tensor> outputs, s
 
 bool WorkHCA::wait(std::chrono::milliseconds timeout) {
   owner_.check("wait");  // a forked child has not the threads that complete it
+  shm::Progress::before_blocking();  // a message's callback: another thread moves messages meanwhile
   // Not with a timeout of its own: the caller then expects control back within it.
   if (timeout == kNoTimeout) {
     if (auto queue = queue_.lock()) queue->run_if_next(*this);

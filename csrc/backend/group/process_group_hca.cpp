@@ -83,16 +83,10 @@ void ProcessGroupHCA::end(bool abort) {
       [&] { control_->publish_failure(Failure(FailureKind::Aborted, "", getRank(), rank + " aborted its process group")); },
       [&] {
         queue_.stop();
-        // An abort fails them instead; so does an end from a message's callback,
-        // whose thread is the one that would send them.
-        if (!abort && !mailbox_->on_progress_thread()) mailbox_->finish_sends();
+        if (!abort) mailbox_->finish_sends();  // an abort fails them instead
       },
       [&] {
-        if (mailbox_->on_progress_thread()) {
-          shm::Mailbox::end_from_progress_thread(std::move(mailbox_));  // a message's callback ended the group
-        } else {
-          mailbox_.reset();  // fails the messages still pending
-        }
+        mailbox_.reset();  // fails the messages still pending
         cuda_message_streams_.reset();
         cpu_message_streams_.reset();
         cuda_executor_.reset();

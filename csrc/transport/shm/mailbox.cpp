@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 
@@ -135,6 +137,13 @@ struct Mailbox::Stash {
   std::shared_ptr<Pending> claimed;  // the receive it belongs to, once posted
 };
 
+// Kept by the sends' callbacks, which may run after the mailbox is gone.
+struct Mailbox::SendCount {
+  std::mutex mutex;
+  std::condition_variable none_left;
+  size_t count = 0;
+};
+
 struct Mailbox::Incoming {
   Frame frame{};
   size_t frame_got = 0, payload_got = 0;
@@ -149,6 +158,8 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
       rank_(control.rank()),
       world_(control.world()),
       ring_bytes_(ring_bytes),
+      progress_(Progress::of_process()),
+      unsent_(std::make_shared<SendCount>()),
       outgoing_(control.world()),
       incoming_(control.world()) {
   static_assert(sizeof(Channel) == 2 * kCacheLine, "a channel's counters fill two lines");
@@ -167,16 +178,6 @@ Mailbox::Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_byte
       "every rank must run the same torch_hca build", 0, rings_at_);
 }
 
-void Mailbox::end_from_progress_thread(std::unique_ptr<Mailbox> mailbox) {
-  mailbox->owned_by_thread_ = true;  // first: the thread may look at it as soon as the callback returns
-  {
-    std::lock_guard<std::mutex> lock(mailbox->mutex_);
-    mailbox->stop_ = true;
-  }
-  mailbox->thread_.detach();
-  mailbox.release();  // deleted by its thread, at the end of loop()
-}
-
 size_t Mailbox::ring_bytes_for(int world) {
   constexpr size_t kMost = 64u << 10, kLeast = 4u << 10, kAllRings = 16u << 20;
   const size_t channels = static_cast<size_t>(world) * static_cast<size_t>(world);
@@ -187,14 +188,14 @@ size_t Mailbox::ring_bytes_for(int world) {
 size_t stashed_bytes_in_process() { return stashed_in_process.load(); }
 
 Mailbox::~Mailbox() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (thread_.joinable()) thread_.join();
-  // Posted after the progress thread's last look at its inbox: failed like the rest.
+  progress_.leave(*this);
+  // No pass touches it any more: what is pending fails here, and what was
+  // posted since the last pass with it.
+  fail_everything(destroyed());
   for (auto& p : inbox_) complete(p, p->message.peer, destroyed());
+  std::vector<Completion> failed;
+  take_completed(failed);
+  for (Completion& completion : failed) completion();
 }
 
 std::exception_ptr Mailbox::destroyed() {
@@ -245,21 +246,22 @@ void Mailbox::send(Message message) {
   p->is_send = true;
   p->frame = {kFrameMagic, message.tag, static_cast<uint32_t>(message.dtype), 0, message.bytes};
   p->message = std::move(message);
-  p->message.done = [this, done = std::move(p->message.done)](int peer, std::exception_ptr error) {
+  p->message.done = [unsent = unsent_, done = std::move(p->message.done)](int peer, std::exception_ptr error) {
     if (done) done(peer, std::move(error));
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--unsent_ == 0) sent_.notify_all();
+    std::lock_guard<std::mutex> lock(unsent->mutex);
+    if (--unsent->count == 0) unsent->none_left.notify_all();
   };
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++unsent_;
+    std::lock_guard<std::mutex> lock(unsent_->mutex);
+    ++unsent_->count;
   }
   post(std::move(p));
 }
 
 void Mailbox::finish_sends() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  sent_.wait(lock, [&] { return unsent_ == 0; });
+  Progress::before_blocking();
+  std::unique_lock<std::mutex> lock(unsent_->mutex);
+  unsent_->none_left.wait(lock, [&] { return unsent_->count == 0; });
 }
 
 void Mailbox::recv(Message message) {
@@ -275,14 +277,17 @@ void Mailbox::post(std::shared_ptr<Pending> p) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     inbox_.push_back(std::move(p));
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
   }
-  wake_.notify_one();
+  progress_.posted(*this);
 }
 
 void Mailbox::complete(const std::shared_ptr<Pending>& p, int peer, std::exception_ptr error) {
-  auto done = std::move(p->message.done);
-  if (done) done(peer, std::move(error));
+  completed_.push_back({std::move(p->message.done), peer, std::move(error)});
+}
+
+void Mailbox::take_completed(std::vector<Completion>& into) {
+  std::move(completed_.begin(), completed_.end(), std::back_inserter(into));
+  completed_.clear();
 }
 
 void Mailbox::accept(std::shared_ptr<Pending> p) {
@@ -469,59 +474,36 @@ void Mailbox::fail_everything(const std::exception_ptr& error) {
   stashed_.clear();
 }
 
-void Mailbox::loop() {
+bool Mailbox::step(Clock::time_point now) {
   std::vector<std::shared_ptr<Pending>> arrived;
-  auto last_moved = Clock::now(), next_check = last_moved + kCheckEvery;
-  while (true) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stop_) break;
-      arrived.swap(inbox_);
-    }
-    bool moved = !arrived.empty();
-    for (auto& p : arrived) accept(std::move(p));
-    arrived.clear();
-    const auto now = Clock::now();
-    try {
-      if (!broken_) {
-        for (int peer = 0; peer < world_; ++peer) {
-          if (peer == rank_) continue;
-          moved = pump_send(peer) || moved;
-          moved = pump_recv(peer) || moved;
-        }
-        if (now > next_check && !owned_by_thread_) {
-          check_deadlines();
-          next_check = now + kCheckEvery;
-        }
-      }
-    } catch (const Failure& failure) {
-      if (!owned_by_thread_) control_.publish_failure(failure);
-      fail_everything(std::current_exception());
-    } catch (const std::exception& e) {  // e.g. no memory to keep an early message in
-      const Failure failure(FailureKind::Unusable, "point-to-point", -1,
-                            std::string("the point-to-point progress thread failed: ") + e.what());
-      if (!owned_by_thread_) control_.publish_failure(failure);
-      fail_everything(std::make_exception_ptr(failure));
-    }
-    if (moved) {
-      last_moved = now;
-      continue;
-    }
-    // Back off as the control block's waits do: spin, then yield, then sleep.
-    const auto idle = now - last_moved;
-    if (idle < std::chrono::microseconds(50)) {
-      cpu_relax();
-    } else if (idle < std::chrono::milliseconds(1)) {
-      sched_yield();
-    } else {
-      // With nothing of ours in flight, only peers' early messages need draining.
-      const auto pause = busy() ? std::chrono::microseconds(200) : std::chrono::microseconds(2000);
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait_for(lock, pause, [&] { return stop_ || !inbox_.empty(); });
-    }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    arrived.swap(inbox_);
   }
-  fail_everything(destroyed());
-  if (owned_by_thread_) delete this;  // the destructor fails what was posted since, and joins no thread
+  const bool accepted = !arrived.empty();
+  for (auto& p : arrived) accept(std::move(p));
+  if (broken_) return accepted;
+  bool moved = false;
+  try {
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_) continue;
+      moved = pump_send(peer) || moved;
+      moved = pump_recv(peer) || moved;
+    }
+    if (now > next_check_) {
+      check_deadlines();
+      next_check_ = now + kCheckEvery;
+    }
+  } catch (const Failure& failure) {
+    control_.publish_failure(failure);
+    fail_everything(std::current_exception());
+  } catch (const std::exception& e) {  // e.g. no memory to keep an early message in
+    const Failure failure(FailureKind::Unusable, "point-to-point", -1,
+                          std::string("the point-to-point progress thread failed: ") + e.what());
+    control_.publish_failure(failure);
+    fail_everything(std::make_exception_ptr(failure));
+  }
+  return accepted || moved;
 }
 
 }  // namespace hca::shm

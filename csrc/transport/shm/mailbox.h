@@ -4,8 +4,9 @@
 // message is a frame (tag, dtype, size) followed by its bytes, streamed through
 // the ring, so a message may be larger than the ring.
 //
-// One progress thread per process group moves every send and receive at once
-// (isend/irecv and batch_isend_irecv in any order the two sides agree on).
+// The process's progress thread (progress.h), one for all its groups, moves
+// every send and receive at once (isend/irecv and batch_isend_irecv in any
+// order the two sides agree on).
 // Frames are matched to receives by (source, tag) in arrival order; a frame
 // nobody waits for yet is drained into a private buffer while those hold less
 // than kStashBytes (32 MiB, for all of a process's groups together), so small
@@ -19,19 +20,18 @@
 #pragma once
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "../control/control_block.h"
 #include "../control/segment.h"
 #include "../rendezvous.h"
+#include "progress.h"
 #include "../../plan/types.h"
 
 namespace hca::shm {
@@ -43,12 +43,12 @@ struct Message {
   void* data;  // read by a send, written by a receive
   size_t bytes;
   std::chrono::milliseconds timeout;
-  // Called once, on the progress thread, with the peer that sent or received it
+  // Called once, on a progress thread, with the peer that sent or received it
   // and the error if any: std::invalid_argument for a frame that does not fit
   // the receive (the channel stays usable), hca::Failure otherwise (the group
   // is unusable afterwards, as after a failed collective).
   std::function<void(int peer, std::exception_ptr error)> done;
-  // A send's bytes may be read once this answers true (asked on the progress
+  // A send's bytes may be read once this answers true (asked by the progress
   // thread; null: at once), e.g. once a device has copied them to `data`. The
   // sends behind it to the same rank wait too, so a pair's order holds. A
   // hca::Failure it throws fails the group, as the channel's own failures do.
@@ -67,7 +67,9 @@ class Mailbox {
   // Every rank of the group constructs it at init (the channels are one segment,
   // whose rings take /dev/shm only once their pair of ranks talks).
   Mailbox(ControlBlock& control, Rendezvous& rendezvous, size_t ring_bytes, std::chrono::milliseconds timeout);
-  ~Mailbox();  // fails what is still pending ("the process group was destroyed")
+  // Fails what is still pending ("the process group was destroyed"), on the
+  // calling thread; a progress thread's callback may destroy it.
+  ~Mailbox();
   Mailbox(const Mailbox&) = delete;
   Mailbox& operator=(const Mailbox&) = delete;
 
@@ -75,7 +77,8 @@ class Mailbox {
   void recv(Message message);
   // Returns once every send posted so far has finished: sent, or failed (its
   // deadline and the peers' liveness bound the wait). A group that shuts down
-  // gracefully delivers what it was asked to send, even if nobody waited on it.
+  // gracefully delivers what it was asked to send, even if nobody waited on it
+  // (even from a completion's callback: another thread moves them meanwhile).
   void finish_sends();
 
   // Tests: what a broken or hostile peer could write into its side of every
@@ -85,21 +88,20 @@ class Mailbox {
   // Bytes of /dev/shm the group's channels hold now (tests).
   size_t reserved_bytes() const;
 
-  // Whether the calling thread is the progress thread (a message's callback).
-  bool on_progress_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
-  // Ends `mailbox` from its own progress thread (a callback that shuts the
-  // group down), which cannot join itself: the thread fails what is pending
-  // once the callback returns, then frees the mailbox.
-  static void end_from_progress_thread(std::unique_ptr<Mailbox> mailbox);
-
  private:
+  friend class Progress;
   struct Channel;
   struct Pending;
   struct Stash;
   struct Incoming;
+  struct SendCount;
+
+  // The progress thread's pass: takes what was posted, moves bytes, checks
+  // deadlines; whether anything moved. What finished waits in completed_.
+  bool step(Clock::time_point now);
+  void take_completed(std::vector<Completion>& into);
 
   void post(std::shared_ptr<Pending> pending);
-  void loop();
   void accept(std::shared_ptr<Pending> pending);
   bool pump_send(int dst);
   bool pump_recv(int src);
@@ -115,7 +117,8 @@ class Mailbox {
   void deliver(const Stash& stash, const std::shared_ptr<Pending>& pending);
   void check_deadlines();
   bool busy() const;  // anything of ours, or a frame, in flight
-  static void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
+  // Queues the message's `done` for after the pass.
+  void complete(const std::shared_ptr<Pending>& pending, int peer, std::exception_ptr error);
   void fail_everything(const std::exception_ptr& error);
   static std::exception_ptr destroyed();  // what pending messages get at destruction
   size_t channel_index(int src, int dst) const;
@@ -131,16 +134,12 @@ class Mailbox {
   std::unique_ptr<std::atomic<bool>[]> ring_reserved_;  // per channel, by this process
   std::unique_ptr<SharedSegment> segment_;
 
-  std::mutex mutex_;  // guards inbox_, stop_ and unsent_; the rest belongs to the progress thread
-  std::condition_variable wake_;
-  std::condition_variable sent_;
-  size_t unsent_ = 0;  // sends posted and not finished
+  Progress& progress_;
+  std::shared_ptr<SendCount> unsent_;  // sends posted and not finished (their callbacks count down)
+  std::mutex mutex_;  // guards inbox_; the rest belongs to the progress thread's pass
   std::vector<std::shared_ptr<Pending>> inbox_;
-  bool stop_ = false;
-  // end_from_progress_thread: the thread deletes it, and the control block may
-  // be gone with the group (a callback ended it): never touched again.
-  std::atomic<bool> owned_by_thread_{false};
-  std::thread thread_;  // started by the first message
+  Clock::time_point next_check_{};  // of deadlines and peers' liveness
+  std::vector<Completion> completed_;
 
   std::vector<std::deque<std::shared_ptr<Pending>>> outgoing_;  // sends in order, per destination
   std::vector<Incoming> incoming_;  // per source
