@@ -1,8 +1,18 @@
 """Shared fixtures: every multi-process test of a collective runs once per device."""
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 
 from harness import STREAMS_ENV
+
+# The cost model's cache (torch_hca.costs) of a session's own: a calibration the machine's user
+# cached must not change what the tests' groups choose. Spawned ranks inherit it.
+os.environ["TORCH_HCA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torch-hca-test-cache-")
+atexit.register(shutil.rmtree, os.environ["TORCH_HCA_CACHE_DIR"], True)
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

@@ -8,9 +8,9 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _C, topology
+from . import _C, costs, topology
 from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
-from .options import Options, cpu_executor, pack_per_rank_from_bytes, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
+from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 BACKEND_NAME = "hca"
 
@@ -81,13 +81,27 @@ def _node_group(store, rank, size, timeout_ms, options):
     """hca's own group over the ranks of one node, its hierarchy from where they run (groups="auto")."""
     cpu, cuda, places = topology.resolve(options.groups, store, rank, size, timeout_ms)
     cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
-    threshold = pack_per_rank_from_bytes(size, len(set().union(*(json.loads(c) for c in cpus))))
-    group = _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
-                               options=options.plan_options(cpu.groups, threshold), cuda_groups=cuda.groups,
-                               shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
-                               cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
-                               cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
+    cpus = len(set().union(*(json.loads(c) for c in cpus)))
+
+    def make(store, options, threshold=0):
+        return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
+                                  options=options.plan_options(cpu.groups, threshold), cuda_groups=cuda.groups,
+                                  shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
+                                  cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
+                                  cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
+
+    model = None
+    if options.num_packs is None and options.algorithm == "hierarchical_copy":
+        shape = {"groups": cpu.groups, "slot_bytes": shm_chunk_bytes(), "slots": shm_slots(),
+                 "executor": cpu_executor()}
+        model = costs.for_group(
+            rank, size, cpus, shape,
+            lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
+            lambda num_packs: make(dist.PrefixStore(f"hca_calibrate{num_packs}/", store),
+                                   dataclasses.replace(options, num_packs=num_packs)))
+    group = make(store, options, model.pack_per_rank_from_bytes() if model else 0)
     group.hierarchy = topology.describe(cpu, cuda, places)
+    group.cost_model = json.dumps(model.to_json() if model else None)
     return group
 
 

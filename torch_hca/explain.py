@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
-from . import _C, topology
-from .options import Options, pack_per_rank_from_bytes, shm_chunk_bytes
+from . import _C, costs, topology
+from .options import Options, cpu_executor, shm_chunk_bytes, shm_slots
 
 
 @dataclasses.dataclass
@@ -20,13 +20,17 @@ class Plan:
     """packs: one dict per pack (index, dtype, numel, segments, steps, result_ranks);
     each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy".
     roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct).
-    rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`."""
+    rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`.
+    predicted_us: where num_packs was chosen per call, the cost model's time for each candidate
+    ("one_pack", "pack_per_rank"); cost_model: that model (its lines and where they came from)."""
 
     packs: List[dict]
     text: str
     roles: List[List[dict]] = dataclasses.field(default_factory=list)
     rounds: List[List[tuple]] = dataclasses.field(default_factory=list)
     hierarchy: Optional[topology.Hierarchy] = None
+    predicted_us: Optional[Dict[str, float]] = None
+    cost_model: Optional[costs.CostModel] = None
 
     def leaders(self) -> List[int]:
         """The rank that ends each pack's reduction (the last reduce edge's destination)."""
@@ -83,8 +87,10 @@ def explain(
     NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
     CPU packages); TF's halves where these are not given. num_packs=None (the default) shows the
-    packing chosen per call, for ranks that run on `cpus` CPUs between them (default: the CPUs
-    this process may run on). With `group` (a running hca process group), for its ranks: its size,
+    packing chosen per call and the cost model's predicted time for each candidate, for ranks that
+    run on `cpus` CPUs between them (default: the CPUs this process may run on): the model a group
+    of them would use here (this machine's cached calibration, else the shipped table), or a
+    running group's. With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
     `device`); the options are still the arguments'. Prints it if verbose."""
@@ -117,12 +123,16 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        threshold = pack_per_rank_from_bytes(world_size, len(os.sched_getaffinity(0)) if cpus is None else cpus)
+        chooses = options.num_packs is None and algorithm == "hierarchical_copy" and world_size > 1
+        model = _cost_model(running, world_size, cpus, hierarchy.groups) if chooses else None
+        threshold = model.pack_per_rank_from_bytes() if model else 0
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, threshold),
                                              root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
-        plan = Plan(list(packs), f"{hierarchy}\n{_packing_choice(options, collective, threshold, len(packs))}{text}",
-                    list(roles), [list(r) for r in rounds], hierarchy)
+        predicted = model.predict_us(4 * sum(numels)) if model and collective == "allreduce" else None
+        choice = _packing_choice(model, predicted, len(packs)) if predicted else ""
+        plan = Plan(list(packs), f"{hierarchy}\n{choice}{text}", list(roles), [list(r) for r in rounds], hierarchy,
+                    predicted, model)
     if running is not None:
         where = running["staging"][device] or f"not set up yet (at the group's first collective on {device} tensors)"
         plan.text = f"{plan.text.rstrip()}\nstaging of {device} tensors: {where}\n"
@@ -131,12 +141,24 @@ def explain(
     return plan
 
 
-def _packing_choice(options, collective, threshold, packs) -> str:
-    """The line that says how many packs the call gets and why, where hca chose it."""
-    if options.num_packs is not None or options.algorithm != "hierarchical_copy" or collective != "allreduce":
-        return ""
-    return (f"num_packs chosen per call: {packs} (a pack per rank from {threshold} bytes, "
-            f"num_packs=None; set num_packs to fix it)\n")
+def _cost_model(running, world_size, cpus, groups) -> costs.CostModel:
+    """A running group's model; else the one a group of these ranks would get here, as rank 0
+    reads it (this machine's cached calibration, else the shipped table)."""
+    if running is not None and running["cost_model"]:
+        return running["cost_model"]
+    cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
+    shape = {"groups": [list(g) for g in groups], "slot_bytes": shm_chunk_bytes(), "slots": shm_slots(),
+             "executor": cpu_executor()}
+    return costs.load(costs.cache_path(world_size, cpus, shape)) or costs.shipped(world_size, cpus)
+
+
+def _packing_choice(model, predicted, packs) -> str:
+    """The lines that say how many packs the call gets and why, where hca chose it."""
+    threshold = model.pack_per_rank_from_bytes()
+    rule = "never" if threshold == costs.NEVER else f"from {threshold} bytes"
+    return (f"num_packs chosen per call: {packs} (num_packs=None; set num_packs to fix it): a pack per rank {rule}, "
+            f"by the cost model of {model.origin}\n"
+            f"  predicted: one pack {predicted['one_pack']:.1f} us, a pack per rank {predicted['pack_per_rank']:.1f} us\n")
 
 
 def _hierarchy(groups, world_size, numa_nodes, packages) -> topology.Hierarchy:

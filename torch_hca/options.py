@@ -24,8 +24,8 @@ class Options:
     algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl" (hca's packing
         in front of a stock engine: a wrapper backend, not a schedule).
     num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
-        None (the default): chosen per call (`pack_per_rank_from_bytes`) for hierarchical_copy on
-        CPU tensors in one node; 1 elsewhere (reduce_to_one_device, CUDA tensors, across nodes,
+        None (the default): chosen per call by a cost model (`torch_hca.costs`) for
+        hierarchical_copy on CPU tensors in one node; 1 elsewhere (reduce_to_one_device, CUDA tensors, across nodes,
         the nccl pass-through).
     reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
         of `reduce`, else rank 0).
@@ -118,21 +118,6 @@ class Options:
             return cls(**values)
         except ValueError as e:
             raise ValueError(f"from the environment: {e}") from None
-
-
-# Where num_packs is chosen per call, an all-reduce of at least this many bytes gets a pack per
-# rank, so that every rank leads the reduction of a part. Measured with `python -m
-# torch_hca.bench` on 2 vCPUs (2026-11-26): 2 ranks, a pack each was 1.1-3.6x faster than one
-# pack from 4 KiB to 16 MiB and slower below 4 KiB; 3 ranks on those 2 cores (they take turns),
-# 1.3x faster from 16 MiB and up to 1.4x slower below.
-PACK_PER_RANK_FROM_BYTES = 16 << 10
-PACK_PER_RANK_FROM_BYTES_OVERSUBSCRIBED = 16 << 20
-
-
-def pack_per_rank_from_bytes(world: int, cpus: int) -> int:
-    """From how many bytes an all-reduce gets a pack per rank, for `world` ranks that run on
-    `cpus` CPUs between them (all ranks compute it from the same reports: they agree)."""
-    return PACK_PER_RANK_FROM_BYTES if cpus >= world else PACK_PER_RANK_FROM_BYTES_OVERSUBSCRIBED
 
 
 def _check_int(name, value, limit=2**31 - 1):

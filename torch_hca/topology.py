@@ -229,7 +229,8 @@ def hierarchy(group=None) -> Dict[str, object]:
     groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
-    GPU)}. Across nodes: this rank's node's group."""
+    GPU), "cost_model": the `torch_hca.costs.CostModel` that chooses its packs per call, or None where
+    nothing is chosen}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
 
@@ -244,4 +245,12 @@ def hierarchy(group=None) -> Dict[str, object]:
     return {"cpu": dataclasses.replace(Hierarchy(**d["cpu"]), groups=backend.groups(cuda=False)),
             "cuda": dataclasses.replace(Hierarchy(**d["cuda"]), groups=backend.groups(cuda=True)),
             "places": d["places"],
-            "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")}}
+            "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")},
+            "cost_model": _cost_model(backend.cost_model)}
+
+
+def _cost_model(text):
+    from .costs import CostModel
+
+    d = json.loads(text)
+    return CostModel.from_json(d) if d else None

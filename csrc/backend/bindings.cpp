@@ -206,6 +206,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
+      .def_property("cost_model", &ProcessGroupHCA::cost_model, &ProcessGroupHCA::set_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))

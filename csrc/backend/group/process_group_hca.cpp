@@ -168,6 +168,7 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +
                           R"(", "reason": "the parent group's, kept for its ranks )" + parent_ranks + R"("})";
   group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
+  group->set_cost_model(cost_model_);  // its packing options are the parent's too
   // Its ranks in the world, from this group's (none known: this group is the world).
   std::vector<int64_t> global;
   for (int r : ranks) global.push_back(calls_.global_ranks().empty() ? r : calls_.global_ranks()[r]);

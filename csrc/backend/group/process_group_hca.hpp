@@ -60,6 +60,9 @@ class ProcessGroupHCA : public c10d::Backend {
   // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
   const std::string& hierarchy() const { return hierarchy_; }
   void set_hierarchy(std::string text) { hierarchy_ = std::move(text); }
+  // The cost model that chose its packs per call, for `torch_hca.explain` (JSON, set once by its maker).
+  const std::string& cost_model() const { return cost_model_; }
+  void set_cost_model(std::string json) { cost_model_ = std::move(json); }
   // Where CPU or CUDA tensors are staged, in words; empty before the first
   // collective that sets it up, in a build without CUDA, and once the group ended.
   std::string staging(bool cuda);
@@ -235,6 +238,7 @@ class ProcessGroupHCA : public c10d::Backend {
   PlanOptions options_;       // CPU tensors
   PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups
   std::string hierarchy_;
+  std::string cost_model_ = "null";
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   size_t shm_slot_bytes_;
