@@ -47,9 +47,12 @@ SHIPPED_POINTS = {
 }
 SHIPPED_MACHINE = "2 vCPUs"
 
-# What a calibration times: each candidate at these sizes, REPS calls each after a warm-up call.
+# What a calibration times: each candidate at these sizes, REPS batches each after a warm-up call,
+# a batch being back-to-back calls for about BATCH_US (a group's threads that just ran a call still
+# look for the next one a while: single calls of two groups alternating would slow each other).
 CALIBRATION_BYTES = (16 << 10, 256 << 10, 2 << 20, 8 << 20)
 CALIBRATION_REPS = 7
+BATCH_US = 3000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,20 +189,26 @@ def save(model: CostModel, points: dict, path: pathlib.Path) -> None:
 
 def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]) -> Dict[str, list]:
     """Times each candidate's group (name -> a process group of hca's) at CALIBRATION_BYTES, their
-    calls alternating so that a drift of the machine's speed hits them alike; every rank takes
-    part. The points: per size, the median of each rank's calls, the slowest rank's."""
+    batches alternating so that a drift of the machine's speed hits them alike; every rank takes
+    part. The points: per size, the median of each rank's batches (µs per call), the slowest rank's."""
     import torch
 
     times = {name: {b: [] for b in CALIBRATION_BYTES} for name in groups}
     for nbytes in CALIBRATION_BYTES:
         t = torch.zeros(nbytes // 4)
+        calls = 1
         for group in groups.values():
+            start = time.perf_counter()
             group.allreduce([t]).wait()  # warm-up: the plan, the staging's first touch
+            calls = max(calls, int(BATCH_US / max((time.perf_counter() - start) * 1e6, 1.0)))
+        # Every rank runs as many calls per batch as rank 0 found it needs.
+        calls = min(int(exchange(f"hca_costs_calls{nbytes}", str(calls))[0]), 200)
         for rep in range(CALIBRATION_REPS):
             for name in (CANDIDATES if rep % 2 == 0 else CANDIDATES[::-1]):
                 start = time.perf_counter()
-                groups[name].allreduce([t]).wait()
-                times[name][nbytes].append((time.perf_counter() - start) * 1e6)
+                for _ in range(calls):
+                    groups[name].allreduce([t]).wait()
+                times[name][nbytes].append((time.perf_counter() - start) * 1e6 / calls)
     mine = {name: {b: statistics.median(ts) for b, ts in by_size.items()} for name, by_size in times.items()}
     reports = [json.loads(r) for r in exchange("hca_costs_measured", json.dumps(
         {name: list(by_size.items()) for name, by_size in mine.items()}))]
