@@ -92,10 +92,8 @@ def _node_group(store, rank, size, timeout_ms, options):
 
     model = None
     if options.num_packs is None and options.algorithm == "hierarchical_copy":
-        shape = {"groups": cpu.groups, "slot_bytes": shm_chunk_bytes(), "slots": shm_slots(),
-                 "executor": cpu_executor()}
         model = costs.for_group(
-            rank, size, cpus, shape,
+            rank, size, cpus, cpu.groups,
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
             lambda num_packs: make(dist.PrefixStore(f"hca_calibrate{num_packs}/", store),
                                    dataclasses.replace(options, num_packs=num_packs)))

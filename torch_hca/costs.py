@@ -25,6 +25,8 @@ import time
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .options import cpu_executor, shm_chunk_bytes, shm_slots
+
 MARGIN = 0.95  # a pack per rank must be predicted this much of one pack's time, or less
 NEVER = 1 << 62  # the threshold of a choice that never takes a pack per rank
 CANDIDATES = ("one_pack", "pack_per_rank")
@@ -84,6 +86,11 @@ class CostModel:
         if per_byte_gain < 0:  # a pack per rank gains with size: from where it is ahead
             return max(1, int(-(-fixed_gain // per_byte_gain))) if fixed_gain < 0 else 1
         return 1 if per_byte_gain == 0 and fixed_gain >= 0 else NEVER
+
+    def rule(self) -> str:
+        """Which calls get a pack per rank, in words."""
+        threshold = self.pack_per_rank_from_bytes()
+        return "never" if threshold == NEVER else f"from {threshold} bytes"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,11 +165,12 @@ def _version() -> str:
         return "unknown"
 
 
-def cache_path(world: int, cpus: int, shape: dict, environ=None) -> pathlib.Path:
-    """The cache file of this machine (its CPU model, torch_hca's version) and world shape (ranks,
-    CPUs between them, and `shape`: what else changes the times, e.g. the staging slot)."""
-    key = json.dumps({"cpu": _cpu_model(), "version": _version(), "world": world, "cpus": cpus, **shape},
-                     sort_keys=True)
+def cache_path(world: int, cpus: int, groups: Sequence[Sequence[int]], environ=None) -> pathlib.Path:
+    """The cache file of this machine (its CPU model, torch_hca's version) and world shape: the
+    ranks, the CPUs between them, their groups, and the staging and executor, which change the times."""
+    key = json.dumps({"cpu": _cpu_model(), "version": _version(), "world": world, "cpus": cpus,
+                      "groups": [list(g) for g in groups], "slot_bytes": shm_chunk_bytes(environ),
+                      "slots": shm_slots(environ), "executor": cpu_executor(environ)}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir(environ) / f"costs-{world}ranks-{cpus}cpus-{digest}.json"
 
@@ -173,6 +181,11 @@ def load(path: pathlib.Path) -> Optional[CostModel]:
         return CostModel.from_json(json.loads(path.read_text())["model"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def cached_or_shipped(path: pathlib.Path, world: int, cpus: int) -> CostModel:
+    """What a group gets without a calibration at init: the cached one, else the shipped table's."""
+    return load(path) or shipped(world, cpus)
 
 
 def save(model: CostModel, points: dict, path: pathlib.Path) -> None:
@@ -216,8 +229,8 @@ def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]
             for name in CANDIDATES}
 
 
-def for_group(rank: int, world: int, cpus: int, shape: dict, exchange: Callable[[str, str], List[str]],
-              make_group: Callable[[int], object]) -> Optional[CostModel]:
+def for_group(rank: int, world: int, cpus: int, groups: Sequence[Sequence[int]],
+              exchange: Callable[[str, str], List[str]], make_group: Callable[[int], object]) -> Optional[CostModel]:
     """The model a group of `world` ranks uses: rank 0's choice of cached, calibrated now or
     shipped, shared through `exchange(key, text)` (every rank's text, by rank). None for one rank.
     `make_group(num_packs)`: a private group of the same ranks and options but `num_packs`, for a
@@ -226,19 +239,17 @@ def for_group(rank: int, world: int, cpus: int, shape: dict, exchange: Callable[
         return None
     decision = {}
     if rank == 0:
-        path = cache_path(world, cpus, shape)
+        path = cache_path(world, cpus, groups)
         try:
             mode = calibrate_mode()
         except ValueError as e:
             decision = {"error": str(e)}  # every rank raises it, none waits for rank 0
         else:
-            cached = load(path) if mode != "force" else None
-            if cached:
-                decision = {"model": cached.to_json()}
-            elif mode == "0":
-                decision = {"model": shipped(world, cpus).to_json()}
+            if mode == "0":
+                decision = {"model": cached_or_shipped(path, world, cpus).to_json()}
             else:
-                decision = {"calibrate": str(path)}
+                cached = load(path) if mode == "1" else None
+                decision = {"model": cached.to_json()} if cached else {"calibrate": str(path)}
     decision = json.loads(exchange("hca_costs", json.dumps(decision))[0])
     if "error" in decision:
         raise ValueError(f"hca: rank 0's {decision['error']}")

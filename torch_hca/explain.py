@@ -12,7 +12,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _C, costs, topology
-from .options import Options, cpu_executor, shm_chunk_bytes, shm_slots
+from .options import Options, shm_chunk_bytes
 
 
 @dataclasses.dataclass
@@ -147,16 +147,12 @@ def _cost_model(running, world_size, cpus, groups) -> costs.CostModel:
     if running is not None and running["cost_model"]:
         return running["cost_model"]
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
-    shape = {"groups": [list(g) for g in groups], "slot_bytes": shm_chunk_bytes(), "slots": shm_slots(),
-             "executor": cpu_executor()}
-    return costs.load(costs.cache_path(world_size, cpus, shape)) or costs.shipped(world_size, cpus)
+    return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
 
 def _packing_choice(model, predicted, packs) -> str:
     """The lines that say how many packs the call gets and why, where hca chose it."""
-    threshold = model.pack_per_rank_from_bytes()
-    rule = "never" if threshold == costs.NEVER else f"from {threshold} bytes"
-    return (f"num_packs chosen per call: {packs} (num_packs=None; set num_packs to fix it): a pack per rank {rule}, "
+    return (f"num_packs chosen per call: {packs} (num_packs=None; set num_packs to fix it): a pack per rank {model.rule()}, "
             f"by the cost model of {model.origin}\n"
             f"  predicted: one pack {predicted['one_pack']:.1f} us, a pack per rank {predicted['pack_per_rank']:.1f} us\n")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 from . import _C
+from .costs import CostModel
 
 CPU_LEVELS = ("CPU package", "NUMA node")  # coarsest first: the first that splits the ranks wins
 GPU_LEVELS = ("GPU link domain",)
@@ -250,7 +251,5 @@ def hierarchy(group=None) -> Dict[str, object]:
 
 
 def _cost_model(text):
-    from .costs import CostModel
-
     d = json.loads(text)
     return CostModel.from_json(d) if d else None
