@@ -4,12 +4,14 @@
 // if the call has not finished by then: the caller would read unwritten
 // outputs), then waits for the executor to settle it, so that a release after
 // a failure is reported by wait() itself. The Future completes on the stream,
-// in its turn, as a CUDA host function would. Buffers the call kept alive are
+// in its turn, as a CUDA host function would; wait() returns after that, as a
+// CUDA Work's wait() returns with its Future completed. Buffers the call kept alive are
 // poisoned when freed, as a GPU's caching allocator would hand them to the
 // next user at once.
 #include <c10/core/Storage.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cstring>
 #include <thread>
 
@@ -60,8 +62,8 @@ class ModelCall final : public StreamCall {
   // On a faulted device the Future gets the fault, as a CUDA Future's wait raises it.
   void complete(c10::ivalue::Future& future, const c10::IValue& value) const override {
     auto shared = c10::intrusive_ptr<c10::ivalue::Future>::reclaim_copy(&future);
-    model().stream_on(device_index(), stream())
-        .issue([shared, value] { shared->markCompleted(value); },
+    HostStream& internal = model().stream_on(device_index(), stream());
+    internal.issue([shared, value] { shared->markCompleted(value); },
                [shared](const std::string& fault) {
                  try {
                    C10_THROW_ERROR(DistBackendError, "hca: " + fault);
@@ -69,6 +71,7 @@ class ModelCall final : public StreamCall {
                    shared->setError(std::current_exception());
                  }
                });
+    future_completed_ = internal.record();
   }
 
  protected:
@@ -86,7 +89,14 @@ class ModelCall final : public StreamCall {
       C10_THROW_ERROR(DistBackendError, std::string("hca: ") + fault.what());
     }
     while (!issued()->over()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // Not from the Future's own callbacks, which run on the stream before that mark.
+    HostStream& internal = model().stream_on(device_index(), stream());
+    if (const uint64_t mark = future_completed_; mark && !internal.is_current_thread()) internal.wait_passed(mark);
   }
+
+ private:
+  // The internal stream's mark after the Future's completion (0: not issued).
+  mutable std::atomic<uint64_t> future_completed_{0};
 };
 
 }  // namespace

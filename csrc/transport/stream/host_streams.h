@@ -49,6 +49,8 @@ class HostStream {
   void synchronize(uint64_t mark) const;
   // As synchronize, for another stream's operation: returns once faulted.
   void wait_passed(uint64_t mark) const;
+  // Whether the caller is the stream's own thread (running one of its operations).
+  bool is_current_thread() const { return std::this_thread::get_id() == worker_.get_id(); }
 
  private:
   struct Op {
