@@ -248,7 +248,7 @@ def print_batches(batches):
               f"{r['backend']:<42} {r['time_us'] / 1e3:9.2f} ms  ({base['time_us'] / r['time_us']:.2f}x gloo)")
 
 
-DEFAULTS = "hca (defaults: packs chosen per call)"
+DEFAULTS = "hca (defaults: algorithm and packs chosen per call)"
 
 
 def defaults_vs_best(rows):

@@ -1,4 +1,4 @@
-"""The cost model that chooses num_packs per call (torch_hca.costs): its lines and the choice they
+"""The cost model that chooses an all-reduce's algorithm and num_packs per call (torch_hca.costs): its lines and the choice they
 make, the shipped table, a calibration cached per machine and world shape, and rank 0's model
 used by every rank whatever the others have cached or asked for."""
 import json
@@ -22,47 +22,88 @@ def test_a_fit_recovers_the_line_through_its_points():
     assert line.fixed_us == pytest.approx(20) and line.bytes_per_us == pytest.approx(1500)
 
 
+def model_of(one_pack, pack_per_rank, reduce_to_one_device=(1e9, 1), origin="test"):
+    """A model from (fixed µs, bytes per µs) per candidate (reduce_to_one_device: never ahead)."""
+    lines = zip(costs.CANDIDATES, (one_pack, pack_per_rank, reduce_to_one_device))
+    return costs.CostModel({name: costs.Line(*line) for name, line in lines}, origin)
+
+
+HIERARCHICAL = ("one_pack", "pack_per_rank")
+
+
 @pytest.mark.parametrize("one_pack, per_rank, expect", [
     ((30, 1000), (40, 3000), "crossover"),  # dearer to start, faster per byte: from some size
-    ((30, 1000), (20, 3000), 1),            # ahead everywhere
-    ((30, 3000), (40, 1000), costs.NEVER),  # behind everywhere
-    ((30, 3000), (10, 1000), costs.NEVER),  # ahead only for small calls: noise, one pack kept
+    ((30, 1000), (20, 3000), [(0, "pack_per_rank")]),  # ahead everywhere
+    ((30, 3000), (40, 1000), [(0, "one_pack")]),       # behind everywhere
+    ((30, 3000), (10, 1000), "small only"),            # ahead for small calls only
 ])
 def test_a_pack_per_rank_is_chosen_where_it_is_predicted_5_percent_faster(one_pack, per_rank, expect):
-    model = costs.CostModel(costs.Line(*one_pack), costs.Line(*per_rank), "test")
-    threshold = model.pack_per_rank_from_bytes()
+    model = model_of(one_pack, per_rank)
 
     def ahead(nbytes):
         t = model.predict_us(nbytes)
         return t["pack_per_rank"] <= 0.95 * t["one_pack"]
 
+    table = model.by_size(HIERARCHICAL)
     if expect == "crossover":
-        assert 1 < threshold < costs.NEVER and ahead(threshold) and not ahead(threshold - 1), threshold
-        assert ahead(64 << 20) and not ahead(4)
+        [(_, first), (start, second)] = table
+        assert (first, second) == ("one_pack", "pack_per_rank") and ahead(start) and not ahead(start - 1), table
+    elif expect == "small only":
+        [(_, first), (start, second)] = table
+        assert (first, second) == ("pack_per_rank", "one_pack") and ahead(start - 1) and not ahead(start), table
     else:
-        assert threshold == expect
+        assert table == expect
+
+
+def choice_at(table, nbytes):
+    return [name for start, name in table if start <= nbytes][-1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_table_by_size_is_the_per_call_rule_at_every_size(seed):
+    """Three candidates whose lines cross anywhere: the table the plan reads gives, at every size
+    around each crossing and on a grid from 1 B to 1 GiB, what the rule gives for that size (the
+    fastest of those 5% ahead of one pack, else one pack)."""
+    rng = torch.Generator().manual_seed(seed)
+    lines = [(float(torch.rand(1, generator=rng)) * 300, float(torch.rand(1, generator=rng)) * 4000 + 200)
+             for _ in costs.CANDIDATES]
+    model = model_of(*lines)
+    for names in (tuple(costs.CANDIDATES), HIERARCHICAL):
+        table = model.by_size(names)
+        assert table[0][0] == 0 and all(a[0] < b[0] and a[1] != b[1] for a, b in zip(table, table[1:])), table
+        edges = [int(x) for start, _ in table for x in (start - 1, start, start + 1) if x > 0]
+        for nbytes in edges + [int(1.3 ** k) for k in range(80)]:
+            assert choice_at(table, nbytes) == model.choose(nbytes, names), (lines, names, nbytes, table)
 
 
 @pytest.mark.parametrize("world, cpus", [(2, 2), (3, 2), (4, 2), (4, 8), (8, 2)])
 def test_explain_shows_each_candidates_predicted_time_and_the_choice(world, cpus):
     model = costs.shipped(world, cpus)
-    threshold = model.pack_per_rank_from_bytes()
-    sizes = [4, 1 << 20, 64 << 20] + ([threshold - 4, threshold] if 4 < threshold < costs.NEVER else [])
-    for nbytes in sizes:
+    table = model.by_size()
+    sizes = {4, 1 << 20, 64 << 20} | {b for start, _ in table[1:] for b in (start - 4, start)}
+    for nbytes in sorted(sizes):
         plan = torch_hca.explain(world, numels=[nbytes // 4], cpus=cpus)
         want = model.predict_us(nbytes // 4 * 4)
         assert plan.predicted_us == pytest.approx(want), (nbytes, plan.predicted_us, want)
-        faster = want["pack_per_rank"] <= 0.95 * want["one_pack"]
-        assert len(plan.packs) == (min(world, nbytes // 4) if faster else 1), (nbytes, plan.text)
-        assert f"predicted: one pack {want['one_pack']:.1f} us, a pack per rank {want['pack_per_rank']:.1f} us" \
-            in plan.text and model.origin in plan.text
+        chosen = choice_at(table, nbytes // 4 * 4)
+        assert plan.chosen == chosen, (nbytes, plan.text)
+        # The plan is the chosen candidate's, as if the user had fixed it.
+        algorithm, per_rank = costs.CANDIDATES[chosen]
+        fixed = torch_hca.explain(world, algorithm, world if per_rank else 1, numels=[nbytes // 4], cpus=cpus)
+        assert plan.packs == fixed.packs and len(plan.packs) == (min(world, nbytes // 4) if per_rank else 1), plan.text
+        assert "predicted: " + ", ".join(f"{costs.WORDS[n]} {t:.1f} us" for n, t in want.items()) in plan.text
+        assert model.origin in plan.text
 
 
 def test_the_shipped_table_gives_what_its_machine_measured():
     """2 ranks with a CPU each: a pack per rank from a few KiB (measured ahead from 64 KiB on, and
-    level at 4 KiB); 3 ranks taking turns on 2 CPUs: a pack per rank was never 5% ahead for long."""
-    assert 1 << 10 < costs.shipped(2, 2).pack_per_rank_from_bytes() < 64 << 10
-    assert costs.shipped(3, 2).pack_per_rank_from_bytes() == costs.NEVER
+    level at 4 KiB); 3 ranks taking turns on 2 CPUs: one pack was never 5% behind for long; 4 ranks
+    taking turns: reduce_to_one_device (2 steps where the hierarchy has 4) for small calls."""
+    table = costs.shipped(2, 2).by_size()
+    assert [name for _, name in table] == ["one_pack", "pack_per_rank"] and 1 << 10 < table[1][0] < 64 << 10
+    assert costs.shipped(3, 2).by_size() == [(0, "one_pack")]
+    four = costs.shipped(4, 2).by_size()
+    assert four[0] == (0, "reduce_to_one_device") and four[1][1] == "one_pack" and four[1][0] >= 16 << 10, four
     assert "shipped table (2 ranks" in costs.shipped(8, 16).origin  # a CPU each: the 2-rank lines
     with pytest.raises(ValueError, match="TORCH_HCA_CALIBRATE"):
         costs.calibrate_mode({"TORCH_HCA_CALIBRATE": "yes"})
@@ -93,10 +134,10 @@ def test_a_calibration_is_cached_and_rank_0s_model_is_everyones(tmp_path):
         assert all(us > 0 for _, us in points[name]), points
     # Rank 0's cache says a pack per rank always, rank 1's never; rank 1 also asks to calibrate.
     record = json.loads(cached.read_text())
-    record["model"] = costs.CostModel(costs.Line(100, 100), costs.Line(0, 1e6), "rank 0's cache").to_json()
+    record["model"] = model_of((100, 100), (0, 1e6), origin="rank 0's cache").to_json()
     cached.write_text(json.dumps(record))
     theirs.mkdir()
-    record["model"] = costs.CostModel(costs.Line(0, 1e6), costs.Line(100, 100), "rank 1's cache").to_json()
+    record["model"] = model_of((0, 1e6), (100, 100), (0, 1e6), origin="rank 1's cache").to_json()
     (theirs / cached.name).write_text(json.dumps(record))
     before = (theirs / cached.name).read_text()
     results = run_ranks(_model_in_use, 2, env_per_rank=[

@@ -130,7 +130,7 @@ DIFFERING = {
     "groups": ([{}, {"TORCH_HCA_GROUPS": "0,1;2"}, {"TORCH_HCA_GROUPS": "0,1;2"}],
                ['groups is "auto" on rank 0; [[0, 1], [2]] on ranks 1, 2']),
     "algorithm": ([{"TORCH_HCA_ALGORITHM": "nccl"}, {}, {}],
-                  ['algorithm is "nccl" on rank 0; "hierarchical_copy" on ranks 1, 2']),
+                  ['algorithm is "nccl" on rank 0; unset on ranks 1, 2']),
 }
 
 

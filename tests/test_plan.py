@@ -125,6 +125,14 @@ def test_invalid_plans_raise_value_error(kwargs, needle):
         torch_hca.explain(4, **kwargs)
 
 
+@pytest.mark.parametrize("by_size", [[(1, "hierarchical_copy", True)],
+                                     [(0, "hierarchical_copy", False), (0, "reduce_to_one_device", False)],
+                                     [(0, "hierarchical_copy", False), (9, "ring", False)]])
+def test_a_choice_by_size_must_start_at_0_and_ascend(by_size):
+    with pytest.raises(ValueError, match="by_size|algorithm"):
+        torch_hca.Options().plan_options(by_size=by_size)
+
+
 def test_nccl_plan_is_the_packing_alone():
     plan = torch_hca.explain(4, algorithm="nccl", num_packs=0, numels=[10, 10, 5000, 10],
                              agg_small_grads_max_bytes=100, agg_small_grads_max_group=10)
@@ -136,14 +144,16 @@ def test_nccl_plan_is_the_packing_alone():
     (2, 2, 256), (2, 2, 1 << 20), (4, 2, 1 << 20), (4, 2, 16 << 20), (1, 2, 1 << 20), (4, 8, 1 << 20)])
 def test_num_packs_is_chosen_per_call_where_the_user_set_none(world, cpus, numel):
     """By the cost model (test_costs.py); here what the packs hold, and that what the user sets wins."""
-    threshold = costs.shipped(world, cpus).pack_per_rank_from_bytes() if world > 1 else costs.NEVER
-    packs = world if numel * 4 >= threshold else 1
-    plan = torch_hca.explain(world, numels=[numel], cpus=cpus)
+    model = costs.shipped(world, cpus) if world > 1 else None
+    chosen = model.choose(numel * 4, ("one_pack", "pack_per_rank")) if model else "one_pack"
+    packs = world if chosen == "pack_per_rank" else 1
+    plan = torch_hca.explain(world, "hierarchical_copy", numels=[numel], cpus=cpus)
     assert len(plan.packs) == packs
-    assert (f"num_packs chosen per call: {packs} (" in plan.text) == (world > 1), plan.text
+    assert ("chosen per call: " in plan.text) == (world > 1), plan.text
     assert sorted(pack["numel"] for pack in plan.packs) == sorted(
         numel // packs + (i < numel % packs) for i in range(packs))
     # What the user sets wins; reduce_to_one_device does not rotate its leader: one pack.
     assert len(torch_hca.explain(world, num_packs=1, numels=[numel], cpus=cpus).packs) == 1
     assert len(torch_hca.explain(world, "reduce_to_one_device", numels=[numel], cpus=cpus).packs) == 1
     assert "chosen per call" not in torch_hca.explain(world, num_packs=2, numels=[numel], cpus=cpus).text
+    assert "chosen per call" not in torch_hca.explain(world, "reduce_to_one_device", numels=[numel], cpus=cpus).text

@@ -83,21 +83,22 @@ def _node_group(store, rank, size, timeout_ms, options):
     cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
     cpus = len(set().union(*(json.loads(c) for c in cpus)))
 
-    def make(store, options, threshold=0):
+    def make(store, options, by_size=()):
         return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
-                                  options=options.plan_options(cpu.groups, threshold), cuda_groups=cuda.groups,
+                                  options=options.plan_options(cpu.groups, by_size), cuda_groups=cuda.groups,
                                   shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                   cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                   cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
 
+    names = costs.candidates(options.algorithm, options.num_packs)
     model = None
-    if options.num_packs is None and options.algorithm == "hierarchical_copy":
+    if names:
         model = costs.for_group(
             rank, size, cpus, cpu.groups,
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
-            lambda num_packs: make(dist.PrefixStore(f"hca_calibrate{num_packs}/", store),
-                                   dataclasses.replace(options, num_packs=num_packs)))
-    group = make(store, options, model.pack_per_rank_from_bytes() if model else 0)
+            lambda algorithm, num_packs: make(dist.PrefixStore(f"hca_calibrate_{algorithm}{num_packs}/", store),
+                                              dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)))
+    group = make(store, options, costs.plan_choices(model, names) if model else ())
     group.hierarchy = topology.describe(cpu, cuda, places)
     group.cost_model = json.dumps(model.to_json() if model else None)
     return group

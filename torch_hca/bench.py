@@ -228,8 +228,9 @@ def run(args):
     timer_group = dist.group.WORLD
     options = hca_options(args)
     shown = options or Options.from_env()
-    packs = "per call" if shown.num_packs is None else shown.num_packs
-    describe = {"hca": f"algorithm={shown.algorithm}, num_packs={packs}"}
+    per_call = shown.num_packs is None
+    describe = {"hca": f"algorithm={shown.algorithm or ('per call' if per_call else 'hierarchical_copy')}, "
+                       f"num_packs={'per call' if per_call else shown.num_packs}"}
     backends = ["hca"] + [b for b in args.compare.split(",") if b]
     rows, skipped = [], []
     with tqdm(total=len(backends) * len(sizes), disable=rank != 0 or None, file=sys.stderr,

@@ -3,8 +3,8 @@
     python -m torch_hca.calibrate --world-size 4
     torchrun --nproc-per-node 4 -m torch_hca.calibrate
 
-Starts that many CPU ranks here (or runs on torchrun's), times one pack against a pack per rank
-(torch_hca.costs), and writes the cache file that every later group of that many ranks on this
+Starts that many CPU ranks here (or runs on torchrun's), times one pack, a pack per rank and
+reduce_to_one_device against each other (torch_hca.costs), and writes the cache file that every later group of that many ranks on this
 machine reads at init (rank 0's, shared with the others). Delete the file to go back to the
 shipped table.
 """
@@ -13,7 +13,7 @@ import os
 
 import torch.distributed as dist
 
-from .costs import CANDIDATES
+from . import costs
 from .ranks import run_on_ranks
 from .topology import hierarchy
 
@@ -25,10 +25,11 @@ def _calibrate(_args):
     model = hierarchy(group)["cost_model"]
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks: {model.origin}")
-        for name in CANDIDATES:
-            line = getattr(model, name)
+        for name, line in model.lines.items():
             print(f"  {name}: {line.fixed_us:.1f} us + bytes / {line.bytes_per_us:.0f} bytes per us")
-        print(f"  a pack per rank {model.rule()}", flush=True)
+        print(f"  with algorithm and num_packs unset: {model.rule()}")
+        print(f"  with algorithm='hierarchical_copy': {model.rule(costs.candidates('hierarchical_copy', None))}",
+              flush=True)
     dist.destroy_process_group(group)
 
 

@@ -1,9 +1,13 @@
-"""How many packs an all-reduce gets where the user left `num_packs` unset: a cost model.
+"""How an all-reduce runs where the user left `algorithm` and/or `num_packs` unset: a cost model.
 
-The two candidates, one pack (one leader per call) and a pack per rank (every rank leads the
-reduction of a part), are each a line, time = fixed_us + bytes / bytes_per_us, as NCCL's tuner
-models its algorithms; a call gets a pack per rank where that line is predicted at least 5% faster
-(a near tie keeps one pack). The lines are fitted to measured times, from, in this order:
+The candidates, one pack (hierarchical copy, one leader per call), a pack per rank (every rank leads
+the reduction of a part) and reduce_to_one_device (one rank reduces everything, no hierarchy), are
+each a line, time = fixed_us + bytes / bytes_per_us, as NCCL's tuner models its algorithms. A call
+gets the fastest predicted candidate where it is predicted at least 5% faster than one pack (a near
+tie keeps one pack, TF's default); the lines cross at a few sizes, so the choice is a short table
+of sizes that the plan reads per call. Only the candidates the user's options leave open compete:
+all three with neither option set; one pack or a pack per rank with algorithm="hierarchical_copy".
+The lines are fitted to measured times, from, in this order:
 - a calibration cached for this machine and world shape (`python -m torch_hca.calibrate`, or
   TORCH_HCA_CALIBRATE=1 at init, which measures one where none is cached; "force" measures again);
 - else the table shipped with the package, measured on a 2-vCPU VM.
@@ -27,25 +31,31 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .options import cpu_executor, shm_chunk_bytes, shm_slots
 
-MARGIN = 0.95  # a pack per rank must be predicted this much of one pack's time, or less
-NEVER = 1 << 62  # the threshold of a choice that never takes a pack per rank
-CANDIDATES = ("one_pack", "pack_per_rank")
+MARGIN = 0.95  # another candidate must be predicted this much of one pack's time, or less
+# name -> (algorithm, a pack per rank); the first is the baseline the others must beat by the margin.
+CANDIDATES = {"one_pack": ("hierarchical_copy", False), "pack_per_rank": ("hierarchical_copy", True),
+              "reduce_to_one_device": ("reduce_to_one_device", False)}
+BASELINE = "one_pack"
+WORDS = {"one_pack": "one pack", "pack_per_rank": "a pack per rank", "reduce_to_one_device": "reduce_to_one_device"}
 
 # `benchmarks/bench.py --ops choice` on a 2-vCPU AMD EPYC VM, torch 2.13 (2026-11-26, batches of the
-# candidates alternating; µs per call, median, slowest rank): bytes -> (one pack, a pack per rank).
+# candidates alternating; µs per call, median, slowest rank): bytes -> the candidates' times, in
+# CANDIDATES' order.
 SHIPPED_POINTS = {
-    2: {4: (34.8, 33.0), 16: (23.0, 25.6), 64: (22.7, 22.2), 256: (28.5, 23.8), 1 << 10: (131.9, 29.1),
-        4 << 10: (28.5, 28.2), 16 << 10: (43.0, 92.1), 64 << 10: (58.7, 50.6), 256 << 10: (164.9, 114.1),
-        1 << 20: (688.2, 464.1), 4 << 20: (1849.7, 1085.0), 16 << 20: (5741.8, 3626.2),
-        64 << 20: (45697.2, 24379.2)},
-    3: {4: (135.8, 171.6), 16: (143.8, 161.4), 64: (158.9, 409.4), 256: (131.0, 152.5), 1 << 10: (209.6, 157.6),
-        4 << 10: (135.8, 152.3), 16 << 10: (164.7, 189.6), 64 << 10: (181.6, 197.6), 256 << 10: (377.8, 387.9),
-        1 << 20: (1191.1, 1097.1), 4 << 20: (4817.4, 4320.7), 16 << 20: (12580.9, 12591.9),
-        64 << 20: (59122.6, 56806.3)},
-    4: {4: (218.6, 633.2), 16: (217.5, 211.7), 64: (196.8, 307.1), 256: (186.7, 823.0), 1 << 10: (1100.8, 1994.9),
-        4 << 10: (283.7, 328.5), 16 << 10: (310.2, 563.5), 64 << 10: (630.1, 1414.8), 256 << 10: (600.2, 765.3),
-        1 << 20: (1987.6, 2073.3), 4 << 20: (5788.0, 4899.1), 16 << 20: (21240.4, 22177.9),
-        64 << 20: (96499.6, 96021.1)},
+    2: {4: (34.8, 33.0, 32.9), 16: (23.0, 25.6, 30.0), 64: (22.7, 22.2, 21.9), 256: (28.5, 23.8, 25.3),
+        1 << 10: (131.9, 29.1, 45.1), 4 << 10: (28.5, 28.2, 30.9), 16 << 10: (43.0, 92.1, 37.9),
+        64 << 10: (58.7, 50.6, 64.8), 256 << 10: (164.9, 114.1, 148.2), 1 << 20: (688.2, 464.1, 711.0),
+        4 << 20: (1849.7, 1085.0, 1959.6), 16 << 20: (5741.8, 3626.2, 5914.5), 64 << 20: (45697.2, 24379.2, 32575.0)},
+    3: {4: (135.8, 171.6, 156.0), 16: (143.8, 161.4, 566.5), 64: (158.9, 409.4, 502.6), 256: (131.0, 152.5, 208.3),
+        1 << 10: (209.6, 157.6, 146.7), 4 << 10: (135.8, 152.3, 138.4), 16 << 10: (164.7, 189.6, 146.3),
+        64 << 10: (181.6, 197.6, 205.0), 256 << 10: (377.8, 387.9, 376.3), 1 << 20: (1191.1, 1097.1, 1126.2),
+        4 << 20: (4817.4, 4320.7, 5150.7), 16 << 20: (12580.9, 12591.9, 14150.1),
+        64 << 20: (59122.6, 56806.3, 56456.0)},
+    4: {4: (218.6, 633.2, 184.9), 16: (217.5, 211.7, 173.9), 64: (196.8, 307.1, 209.0), 256: (186.7, 823.0, 179.0),
+        1 << 10: (1100.8, 1994.9, 1058.5), 4 << 10: (283.7, 328.5, 270.5), 16 << 10: (310.2, 563.5, 285.4),
+        64 << 10: (630.1, 1414.8, 2019.1), 256 << 10: (600.2, 765.3, 638.5), 1 << 20: (1987.6, 2073.3, 2110.3),
+        4 << 20: (5788.0, 4899.1, 5971.7), 16 << 20: (21240.4, 22177.9, 22330.7),
+        64 << 20: (96499.6, 96021.1, 101395.7)},
 }
 SHIPPED_MACHINE = "2 vCPUs"
 
@@ -66,38 +76,72 @@ class Line:
         return self.fixed_us + nbytes / self.bytes_per_us
 
 
+def candidates(algorithm: Optional[str], num_packs: Optional[int]) -> Tuple[str, ...]:
+    """The candidates the user's options leave open (none: they fixed the choice)."""
+    if num_packs is not None:
+        return ()
+    if algorithm is None:
+        return tuple(CANDIDATES)
+    return ("one_pack", "pack_per_rank") if algorithm == "hierarchical_copy" else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """One line per candidate, and where they came from (shipped, cached, calibrated)."""
 
-    one_pack: Line
-    pack_per_rank: Line
+    lines: Dict[str, Line]
     origin: str
 
-    def predict_us(self, nbytes: int) -> Dict[str, float]:
-        return {name: getattr(self, name).predict_us(nbytes) for name in CANDIDATES}
+    def predict_us(self, nbytes: int, names: Sequence[str] = tuple(CANDIDATES)) -> Dict[str, float]:
+        return {name: self.lines[name].predict_us(nbytes) for name in names}
 
-    def pack_per_rank_from_bytes(self) -> int:
-        """The smallest call (bytes) that gets a pack per rank; NEVER where none does. Two lines
-        cross once: where a pack per rank would win only below some size (its fixed cost the
-        smaller, which the extra step makes noise), one pack is kept."""
-        per_byte_gain = 1 / self.pack_per_rank.bytes_per_us - MARGIN / self.one_pack.bytes_per_us
-        fixed_gain = MARGIN * self.one_pack.fixed_us - self.pack_per_rank.fixed_us
-        if per_byte_gain < 0:  # a pack per rank gains with size: from where it is ahead
-            return max(1, int(-(-fixed_gain // per_byte_gain))) if fixed_gain < 0 else 1
-        return 1 if per_byte_gain == 0 and fixed_gain >= 0 else NEVER
+    def choose(self, nbytes: float, names: Sequence[str] = tuple(CANDIDATES)) -> str:
+        """The candidate a call of `nbytes` gets: the fastest of those predicted at least 5% faster
+        than one pack, else one pack."""
+        t = self.predict_us(nbytes, names)
+        ahead = [n for n in names if n != BASELINE and t[n] <= MARGIN * t[BASELINE]]
+        return min(ahead, key=t.get) if ahead else BASELINE
 
-    def rule(self) -> str:
-        """Which calls get a pack per rank, in words."""
-        threshold = self.pack_per_rank_from_bytes()
-        return "never" if threshold == NEVER else f"from {threshold} bytes"
+    def by_size(self, names: Sequence[str] = tuple(CANDIDATES)) -> List[Tuple[int, str]]:
+        """The choice for every size, as (from bytes, candidate) pairs, the first from 0. It can
+        change only where two lines (one pack's scaled by the margin) cross, so it is constant
+        between consecutive crossings."""
+        def scaled(n):
+            k = MARGIN if n == BASELINE else 1.0
+            return k * self.lines[n].fixed_us, k / self.lines[n].bytes_per_us
+
+        crossings = {0}
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                (fa, sa), (fb, sb) = scaled(a), scaled(b)
+                if sa != sb and (fb - fa) / (sa - sb) > 0:
+                    crossings.add(int(-(-(fb - fa) // (sa - sb))))
+        starts = sorted(crossings)
+        table = []
+        for i, start in enumerate(starts):
+            inside = (start + starts[i + 1]) / 2 if i + 1 < len(starts) else 2 * start + 1
+            name = self.choose(inside, names)
+            if not table or table[-1][1] != name:
+                table.append((start, name))
+        return table
+
+    def rule(self, names: Sequence[str] = tuple(CANDIDATES)) -> str:
+        """Which calls get which candidate, in words."""
+        table = self.by_size(names)
+        return ", ".join(f"{WORDS[name]} from {start} bytes" if start else WORDS[name] for start, name in table)
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {"lines": {name: dataclasses.asdict(line) for name, line in self.lines.items()}, "origin": self.origin}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostModel":
-        return cls(Line(**d["one_pack"]), Line(**d["pack_per_rank"]), d["origin"])
+        lines = {name: Line(**d["lines"][name]) for name in CANDIDATES}  # KeyError: an older file
+        return cls(lines, d["origin"])
+
+
+def plan_choices(model: CostModel, names: Sequence[str]) -> List[Tuple[int, str, bool]]:
+    """The model's choice over `names` as the plan reads it: (from bytes, algorithm, a pack per rank)."""
+    return [(start, *CANDIDATES[name]) for start, name in model.by_size(names)]
 
 
 def fit(points: Sequence[Tuple[float, float]]) -> Line:
@@ -119,7 +163,7 @@ def fit(points: Sequence[Tuple[float, float]]) -> Line:
 
 
 def fitted(points: Dict[str, Sequence[Tuple[float, float]]], origin: str) -> CostModel:
-    return CostModel(fit(points["one_pack"]), fit(points["pack_per_rank"]), origin)
+    return CostModel({name: fit(points[name]) for name in CANDIDATES}, origin)
 
 
 def shipped(world: int, cpus: int) -> CostModel:
@@ -217,7 +261,7 @@ def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]
         # Every rank runs as many calls per batch as rank 0 found it needs.
         calls = min(int(exchange(f"hca_costs_calls{nbytes}", str(calls))[0]), 200)
         for rep in range(CALIBRATION_REPS):
-            for name in (CANDIDATES if rep % 2 == 0 else CANDIDATES[::-1]):
+            for name in list(groups)[::1 if rep % 2 == 0 else -1]:
                 start = time.perf_counter()
                 for _ in range(calls):
                     groups[name].allreduce([t]).wait()
@@ -226,15 +270,15 @@ def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]
     reports = [json.loads(r) for r in exchange("hca_costs_measured", json.dumps(
         {name: list(by_size.items()) for name, by_size in mine.items()}))]
     return {name: [(b, max(dict(map(tuple, r[name]))[b] for r in reports)) for b in CALIBRATION_BYTES]
-            for name in CANDIDATES}
+            for name in groups}
 
 
 def for_group(rank: int, world: int, cpus: int, groups: Sequence[Sequence[int]],
-              exchange: Callable[[str, str], List[str]], make_group: Callable[[int], object]) -> Optional[CostModel]:
+              exchange: Callable[[str, str], List[str]], make_group: Callable[[str, int], object]) -> Optional[CostModel]:
     """The model a group of `world` ranks uses: rank 0's choice of cached, calibrated now or
     shipped, shared through `exchange(key, text)` (every rank's text, by rank). None for one rank.
-    `make_group(num_packs)`: a private group of the same ranks and options but `num_packs`, for a
-    calibration."""
+    `make_group(algorithm, num_packs)`: a private group of the same ranks and options but these,
+    for a calibration (of every candidate, so that the cache serves any options)."""
     if world == 1:
         return None
     decision = {}
@@ -255,7 +299,7 @@ def for_group(rank: int, world: int, cpus: int, groups: Sequence[Sequence[int]],
         raise ValueError(f"hca: rank 0's {decision['error']}")
     if "model" in decision:
         return CostModel.from_json(decision["model"])
-    groups = {name: make_group(num_packs) for name, num_packs in zip(CANDIDATES, (1, world))}
+    groups = {name: make_group(algorithm, world if per_rank else 1) for name, (algorithm, per_rank) in CANDIDATES.items()}
     points = measure(groups, exchange)
     for group in groups.values():
         group.shutdown()

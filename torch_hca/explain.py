@@ -21,8 +21,9 @@ class Plan:
     each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy".
     roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct).
     rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`.
-    predicted_us: where num_packs was chosen per call, the cost model's time for each candidate
-    ("one_pack", "pack_per_rank"); cost_model: that model (its lines and where they came from)."""
+    predicted_us: where hca chose per call, the cost model's time for each candidate left open
+    (of "one_pack", "pack_per_rank", "reduce_to_one_device"); chosen: the one the call got;
+    cost_model: that model (its lines and where they came from)."""
 
     packs: List[dict]
     text: str
@@ -31,6 +32,7 @@ class Plan:
     hierarchy: Optional[topology.Hierarchy] = None
     predicted_us: Optional[Dict[str, float]] = None
     cost_model: Optional[costs.CostModel] = None
+    chosen: Optional[str] = None
 
     def leaders(self) -> List[int]:
         """The rank that ends each pack's reduction (the last reduce edge's destination)."""
@@ -60,7 +62,7 @@ class NodePlan:
 
 def explain(
     world_size: Optional[int] = None,
-    algorithm: str = "hierarchical_copy",
+    algorithm: Optional[str] = None,
     num_packs: Optional[int] = None,
     groups: Union[str, Sequence[Sequence[int]], None] = "auto",
     reduce_to_device: Optional[int] = None,
@@ -86,10 +88,10 @@ def explain(
     rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
     NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
-    CPU packages); TF's halves where these are not given. num_packs=None (the default) shows the
-    packing chosen per call and the cost model's predicted time for each candidate, for ranks that
-    run on `cpus` CPUs between them (default: the CPUs this process may run on): the model a group
-    of them would use here (this machine's cached calibration, else the shipped table), or a
+    CPU packages); TF's halves where these are not given. With algorithm and/or num_packs None (the
+    defaults), what an allreduce of that size gets per call and the cost model's predicted time for
+    each candidate, for ranks that run on `cpus` CPUs between them (default: the CPUs this process
+    may run on): the model a group of them would use here (this machine's cached calibration, else the shipped table), or a
     running group's. With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
@@ -123,16 +125,16 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        chooses = options.num_packs is None and algorithm == "hierarchical_copy" and world_size > 1
-        model = _cost_model(running, world_size, cpus, hierarchy.groups) if chooses else None
-        threshold = model.pack_per_rank_from_bytes() if model else 0
+        names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
+        model = _cost_model(running, world_size, cpus, hierarchy.groups) if names else None
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
-                                             options.plan_options(hierarchy.groups, threshold),
+                                             options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
+                                                                  if model else ()),
                                              root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
-        predicted = model.predict_us(4 * sum(numels)) if model and collective == "allreduce" else None
-        choice = _packing_choice(model, predicted, len(packs)) if predicted else ""
+        predicted = model.predict_us(4 * sum(numels), names) if model and collective == "allreduce" else None
+        choice = _choice(model, names, 4 * sum(numels)) if predicted else ""
         plan = Plan(list(packs), f"{hierarchy}\n{choice}{text}", list(roles), [list(r) for r in rounds], hierarchy,
-                    predicted, model)
+                    predicted, model, model.choose(4 * sum(numels), names) if predicted else None)
     if running is not None:
         where = running["staging"][device] or f"not set up yet (at the group's first collective on {device} tensors)"
         plan.text = f"{plan.text.rstrip()}\nstaging of {device} tensors: {where}\n"
@@ -150,11 +152,12 @@ def _cost_model(running, world_size, cpus, groups) -> costs.CostModel:
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
 
-def _packing_choice(model, predicted, packs) -> str:
-    """The lines that say how many packs the call gets and why, where hca chose it."""
-    return (f"num_packs chosen per call: {packs} (num_packs=None; set num_packs to fix it): a pack per rank {model.rule()}, "
-            f"by the cost model of {model.origin}\n"
-            f"  predicted: one pack {predicted['one_pack']:.1f} us, a pack per rank {predicted['pack_per_rank']:.1f} us\n")
+def _choice(model, names, nbytes) -> str:
+    """The lines that say what the call gets and why, where hca chose it."""
+    predicted = model.predict_us(nbytes, names)
+    return (f"chosen per call: {costs.WORDS[model.choose(nbytes, names)]} (set algorithm and num_packs to fix it): "
+            f"{model.rule(names)}, by the cost model of {model.origin}\n"
+            f"  predicted: " + ", ".join(f"{costs.WORDS[n]} {t:.1f} us" for n, t in predicted.items()) + "\n")
 
 
 def _hierarchy(groups, world_size, numa_nodes, packages) -> topology.Hierarchy:
@@ -178,7 +181,7 @@ def _ranks_lists(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("world_size", type=int)
-    parser.add_argument("--algorithm", default="hierarchical_copy")
+    parser.add_argument("--algorithm", default=None)
     parser.add_argument("--num-packs", type=int, help="default: chosen per call")
     parser.add_argument("--groups", help='e.g. "0,1,2,3;4,5,6,7"')
     parser.add_argument("--reduce-to-device", type=int)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 from . import _C
 
@@ -21,12 +21,14 @@ class Options:
     """How `hca` reduces. Checked here for what needs no world size; the world-dependent
     checks (`reduce_to_device`, `groups`) run when the process group is created.
 
-    algorithm: "hierarchical_copy" (default), "reduce_to_one_device" or "nccl" (hca's packing
-        in front of a stock engine: a wrapper backend, not a schedule).
+    algorithm: "hierarchical_copy", "reduce_to_one_device" or "nccl" (hca's packing in front of a
+        stock engine: a wrapper backend, not a schedule). None (the default): chosen per call with
+        num_packs, by a cost model (`torch_hca.costs`), for all-reduces of CPU tensors in one node;
+        hierarchical_copy elsewhere, and wherever num_packs is set.
     num_packs: split each batch's concatenated tensors into this many packs (0: no packing).
-        None (the default): chosen per call by a cost model (`torch_hca.costs`) for
-        hierarchical_copy on CPU tensors in one node; 1 elsewhere (reduce_to_one_device, CUDA tensors, across nodes,
-        the nccl pass-through).
+        None (the default): chosen per call (one pack, or one per rank) by the cost model for
+        hierarchical_copy on CPU tensors in one node; 1 elsewhere (reduce_to_one_device, CUDA
+        tensors, across nodes, the nccl pass-through).
     reduce_to_device: the rank that reduces for reduce_to_one_device (None: the destination
         of `reduce`, else rank 0).
     groups: the hierarchy's groups of ranks: "auto" (default: ranks that share a CPU package or
@@ -40,7 +42,7 @@ class Options:
         has it, else gloo. CPU tensors always go through gloo.
     """
 
-    algorithm: str = "hierarchical_copy"
+    algorithm: Optional[str] = None
     num_packs: Optional[int] = None
     reduce_to_device: Optional[int] = None
     groups: Union[str, Sequence[Sequence[int]], None] = "auto"
@@ -49,7 +51,7 @@ class Options:
     inter_node_backend: Optional[str] = None
 
     def __post_init__(self):
-        if self.algorithm not in ALGORITHMS:
+        if self.algorithm is not None and self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm: unknown algorithm {self.algorithm!r} (expected one of {', '.join(ALGORITHMS)})")
         if self.inter_node_backend is not None and self.inter_node_backend not in INTER_NODE_BACKENDS:
             raise ValueError(f"inter_node_backend: unknown engine {self.inter_node_backend!r} "
@@ -80,23 +82,23 @@ class Options:
         if self.algorithm != "nccl":
             self.plan_options()
 
-    def packing_options(self, pack_per_rank_from_bytes: int = 0) -> "_C.PackingOptions":
-        """The packing, validated by the plan (ValueError naming the option). With num_packs None,
-        a call of `pack_per_rank_from_bytes` or more gets a pack per rank (0: never)."""
-        chosen = self.num_packs is None
-        return _C.PackingOptions(1 if chosen else self.num_packs, self.agg_small_grads_max_bytes,
-                                 self.agg_small_grads_max_group, pack_per_rank_from_bytes if chosen else 0)
+    def packing_options(self) -> "_C.PackingOptions":
+        """The packing, validated by the plan (ValueError naming the option); num_packs None: 1."""
+        return _C.PackingOptions(1 if self.num_packs is None else self.num_packs, self.agg_small_grads_max_bytes,
+                                 self.agg_small_grads_max_group)
 
     def plan_options(self, groups: Optional[Sequence[Sequence[int]]] = None,
-                     pack_per_rank_from_bytes: int = 0) -> "_C.PlanOptions":
+                     by_size: Sequence[Tuple[int, str, bool]] = ()) -> "_C.PlanOptions":
         """Everything the plan needs, validated by it; the world-dependent rules run in `validate_for`.
-        `groups`: the groups "auto" or "halves" resolved to (default: the given groups, else halves)."""
+        `groups`: the groups "auto" or "halves" resolved to (default: the given groups, else halves).
+        `by_size`: an all-reduce's choice per call, (from bytes, algorithm, a pack per rank)
+        ascending from 0 (`costs.CostModel.by_size`); empty: the options as they are."""
         if self.algorithm == "nccl":
             raise ValueError("algorithm: 'nccl' hands packs to a stock engine; it has no schedule")
         if groups is None:
             groups = () if isinstance(self.groups, str) else self.groups
-        return _C.PlanOptions(self.algorithm, self.packing_options(pack_per_rank_from_bytes), self.reduce_to_device,
-                              [list(g) for g in groups])
+        return _C.PlanOptions(self.algorithm or "hierarchical_copy", self.packing_options(), self.reduce_to_device,
+                              [list(g) for g in groups], list(by_size))
 
     @classmethod
     def from_env(cls, environ=None) -> "Options":

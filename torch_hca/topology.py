@@ -230,7 +230,7 @@ def hierarchy(group=None) -> Dict[str, object]:
     groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
-    GPU), "cost_model": the `torch_hca.costs.CostModel` that chooses its packs per call, or None where
+    GPU), "cost_model": the `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where
     nothing is chosen}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist

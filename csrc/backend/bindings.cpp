@@ -4,6 +4,8 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include <tuple>
+
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
 #include "../transport/control/segment.h"
@@ -146,24 +148,26 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<PackingOptions>(m, "PackingOptions")
-      .def(py::init([](int num_packs, long long agg_bytes, int agg_group, long long pack_per_rank_from_bytes) {
-             PackingOptions packing{num_packs, agg_bytes, agg_group, pack_per_rank_from_bytes};
+      .def(py::init([](int num_packs, long long agg_bytes, int agg_group) {
+             PackingOptions packing{num_packs, agg_bytes, agg_group};
              validate(packing);
              return packing;
            }),
-           py::arg("num_packs"), py::arg("agg_small_grads_max_bytes"), py::arg("agg_small_grads_max_group"),
-           py::arg("pack_per_rank_from_bytes") = 0)
+           py::arg("num_packs"), py::arg("agg_small_grads_max_bytes"), py::arg("agg_small_grads_max_group"))
       .def_readonly("num_packs", &PackingOptions::num_packs)
-      .def_readonly("pack_per_rank_from_bytes", &PackingOptions::pack_per_rank_from_bytes)
       .def_readonly("agg_small_grads_max_bytes", &PackingOptions::agg_small_grads_max_bytes)
       .def_readonly("agg_small_grads_max_group", &PackingOptions::agg_small_grads_max_group);
 
   py::class_<PlanOptions>(m, "PlanOptions")
       .def(py::init([](const std::string& algorithm, const PackingOptions& packing,
-                       std::optional<int> reduce_to_device, const Groups& groups) {
+                       std::optional<int> reduce_to_device, const Groups& groups,
+                       const std::vector<std::tuple<long long, std::string, bool>>& by_size) {
              PlanOptions options;
              options.algorithm = parse_algorithm(algorithm);
              options.packing = packing;
+             for (const auto& [from_bytes, chosen, pack_per_rank] : by_size) {
+               options.by_size.push_back({from_bytes, parse_algorithm(chosen), pack_per_rank});
+             }
              if (reduce_to_device && *reduce_to_device < 0) {
                throw std::invalid_argument("reduce_to_device: must be a rank (>= 0), got " +
                                            std::to_string(*reduce_to_device));
@@ -173,7 +177,8 @@ PYBIND11_MODULE(_C, m) {
              validate(options);
              return options;
            }),
-           py::arg("algorithm"), py::arg("packing"), py::arg("reduce_to_device"), py::arg("groups"))
+           py::arg("algorithm"), py::arg("packing"), py::arg("reduce_to_device"), py::arg("groups"),
+           py::arg("by_size") = std::vector<std::tuple<long long, std::string, bool>>{})
       .def("validate_for", [](const PlanOptions& o, int world) { validate(o, world); }, py::arg("world_size"))
       .def(
           "validate_across_nodes",
@@ -182,7 +187,12 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("node_identities"))
       .def_property_readonly("algorithm", [](const PlanOptions& o) { return algorithm_name(o.algorithm); })
-      .def_readonly("packing", &PlanOptions::packing);
+      .def_readonly("packing", &PlanOptions::packing)
+      .def_property_readonly("by_size", [](const PlanOptions& o) {
+        std::vector<std::tuple<long long, std::string, bool>> out;
+        for (const auto& c : o.by_size) out.emplace_back(c.from_bytes, algorithm_name(c.algorithm), c.pack_per_rank);
+        return out;
+      });
 
   py::class_<ProcessGroupHCA, c10d::Backend, GilFreeDestroy<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
@@ -204,7 +214,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
            py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("algorithm", [](const ProcessGroupHCA& pg) { return algorithm_name(pg.options().algorithm); })
+      .def_property_readonly("algorithm",
+                             [](const ProcessGroupHCA& pg) -> std::string {
+                               return pg.options().by_size.empty() ? algorithm_name(pg.options().algorithm)
+                                                                   : "chosen per call";
+                             })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def_property("cost_model", &ProcessGroupHCA::cost_model, &ProcessGroupHCA::set_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))

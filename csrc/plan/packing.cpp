@@ -71,15 +71,6 @@ std::vector<Pack> aggregate_small(const std::vector<TensorDesc>& tensors, size_t
 
 }  // namespace
 
-PackingOptions packing_for_call(const std::vector<TensorDesc>& tensors, int world, const PackingOptions& options) {
-  if (options.pack_per_rank_from_bytes <= 0) return options;
-  size_t bytes = 0;
-  for (const auto& t : tensors) bytes += t.numel * element_size(t.dtype);
-  PackingOptions chosen = options;
-  chosen.num_packs = bytes >= static_cast<size_t>(options.pack_per_rank_from_bytes) ? world : 1;
-  return chosen;
-}
-
 std::vector<Pack> make_packs(const std::vector<TensorDesc>& tensors, const PackingOptions& options) {
   std::vector<Pack> packs;
   if (options.num_packs > 0) {

@@ -34,15 +34,7 @@ struct PackingOptions {
   int num_packs = 1;
   long long agg_small_grads_max_bytes = 0;
   int agg_small_grads_max_group = 10;
-  // > 0: the user set no num_packs, and each call chooses (packing_for_call).
-  long long pack_per_rank_from_bytes = 0;
 };
-
-// The packing of one call of `tensors` on `world` ranks: `options` as given, or,
-// where num_packs is chosen per call, one pack per rank once the call holds
-// pack_per_rank_from_bytes (every rank then leads the reduction of a part, which
-// pays for the extra step when the ranks run at once), else one pack.
-PackingOptions packing_for_call(const std::vector<TensorDesc>& tensors, int world, const PackingOptions& options);
 
 // The seed's rule: num_packs > 0 concatenates the tensors of each dtype and
 // splits them into num_packs near-equal packs; else, with both aggregation

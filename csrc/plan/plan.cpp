@@ -24,7 +24,6 @@ void validate(const PackingOptions& packing) {
   if (packing.num_packs < 0) throw std::invalid_argument("num_packs: requires num_packs >= 0");
   if (packing.agg_small_grads_max_bytes < 0) throw std::invalid_argument("agg_small_grads_max_bytes: must be >= 0");
   if (packing.agg_small_grads_max_group < 0) throw std::invalid_argument("agg_small_grads_max_group: must be >= 0");
-  if (packing.pack_per_rank_from_bytes < 0) throw std::invalid_argument("pack_per_rank_from_bytes: must be >= 0");
 }
 
 void validate(const PlanOptions& options) {
@@ -39,6 +38,13 @@ void validate(const PlanOptions& options) {
       if (r < 0) throw std::invalid_argument("groups: ranks must be >= 0, got " + std::to_string(r));
     }
   }
+  for (size_t i = 0; i < options.by_size.size(); ++i) {
+    const long long from = options.by_size[i].from_bytes;
+    if (i == 0 ? from != 0 : from <= options.by_size[i - 1].from_bytes) {
+      throw std::invalid_argument("by_size: the choices must start at 0 bytes and ascend, got " + std::to_string(from) +
+                                  " bytes at choice " + std::to_string(i));
+    }
+  }
 }
 
 void validate(const PlanOptions& options, int world) {
@@ -50,13 +56,26 @@ void validate(const PlanOptions& options, int world) {
   if (!options.groups.empty()) validate_groups(options.groups, world);
 }
 
-std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int world, const PlanOptions& options) {
+PlanOptions options_for_call(const std::vector<TensorDesc>& tensors, int world, const PlanOptions& options) {
+  if (options.by_size.empty()) return options;
+  long long bytes = 0;
+  for (const auto& t : tensors) bytes += static_cast<long long>(t.numel * element_size(t.dtype));
+  auto choice = options.by_size.begin();
+  while (choice + 1 != options.by_size.end() && (choice + 1)->from_bytes <= bytes) ++choice;
+  PlanOptions chosen = options;
+  chosen.by_size.clear();
+  chosen.algorithm = choice->algorithm;
+  chosen.packing.num_packs = choice->pack_per_rank ? world : 1;
+  return chosen;
+}
+
+std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int world, const PlanOptions& given) {
+  const PlanOptions options = options_for_call(tensors, world, given);
   Groups storage;
   const Groups& groups = groups_or_default(options, world, storage);
   std::vector<PackPlan> plan;
-  // Only hierarchical copy rotates its leaders over the packs: there, packs spread the work.
-  const bool rotates = options.algorithm == Algorithm::HierarchicalCopy;
-  for (auto& pack : make_packs(tensors, rotates ? packing_for_call(tensors, world, options.packing) : options.packing)) {
+  for (auto& pack : make_packs(tensors, options.packing)) {
+    // Only hierarchical copy rotates its leaders over the packs: there, packs spread the work.
     Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
                             ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
                             : hierarchical_allreduce(groups, world, pack.index);

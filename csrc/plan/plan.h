@@ -11,12 +11,28 @@
 
 namespace hca {
 
+// What an allreduce of some size runs where the user left the choice to hca:
+// from `from_bytes` on (up to the next choice's), `algorithm` with one pack, or
+// one pack per rank (every rank then leads the reduction of a part).
+struct SizeChoice {
+  long long from_bytes = 0;
+  Algorithm algorithm = Algorithm::HierarchicalCopy;
+  bool pack_per_rank = false;
+};
+
 struct PlanOptions {
   Algorithm algorithm = Algorithm::HierarchicalCopy;
   PackingOptions packing;
   int reduce_to_device = -1;  // -1: the destination of reduce, else rank 0
   Groups groups;              // empty: default_groups(world)
+  // Non-empty: an allreduce's algorithm and packing follow its bytes (the first
+  // choice from 0 bytes, then ascending); the other collectives keep the above.
+  std::vector<SizeChoice> by_size;
 };
+
+// The options an allreduce of `tensors` on `world` ranks runs with: `options`,
+// or, where they choose by size, the algorithm and packing for its bytes.
+PlanOptions options_for_call(const std::vector<TensorDesc>& tensors, int world, const PlanOptions& options);
 
 // Each throws std::invalid_argument naming the bad option: the packing alone,
 // what needs no world size, and everything for a group of `world` ranks.

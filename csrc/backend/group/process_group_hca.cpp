@@ -25,9 +25,9 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       cpu_executor_kind_(cpu_executor),
       store_(store) {
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
-  // Packs chosen per call follow measurements of the CPU path; on CUDA tensors one pack (TF's
-  // default) until a GPU has measured the choice.
-  cuda_options_.packing.pack_per_rank_from_bytes = 0;
+  // A choice per call follows measurements of the CPU path; on CUDA tensors the base algorithm
+  // with one pack (TF's default) until a GPU has measured the choice.
+  cuda_options_.by_size.clear();
   try {
     validate(options_, size);
     validate(cuda_options_, size);
@@ -209,9 +209,10 @@ std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milli
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
-  const PackingOptions& packing = options_.packing;
-  std::string text = std::string(name) + "(" + details + ", " + algorithm_name(options_.algorithm) + ", num_packs=" +
-                     (packing.pack_per_rank_from_bytes > 0 ? "per call" : std::to_string(packing.num_packs)) + ")";
+  std::string text = std::string(name) + "(" + details + ", " +
+                     (options_.by_size.empty() ? std::string(algorithm_name(options_.algorithm)) + ", num_packs=" +
+                                                     std::to_string(options_.packing.num_packs)
+                                               : "chosen per call") + ")";
   // Long descriptions are cut to fit the control block; a hash keeps them exact.
   if (text.size() > 200) text = text.substr(0, 180) + "... #" + std::to_string(std::hash<std::string>{}(text));
   return text;
