@@ -125,7 +125,8 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
+        # CUDA tensors run the algorithm (default hierarchical_copy) with one pack until a GPU measured a choice.
+        names = costs.candidates(algorithm, num_packs) if world_size > 1 and device == "cpu" else ()
         model = _cost_model(running, world_size, cpus, hierarchy.groups) if names else None
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)

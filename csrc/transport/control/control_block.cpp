@@ -14,7 +14,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 8;
+constexpr uint32_t kLayoutVersion = 9;
 
 }  // namespace
 
@@ -52,7 +52,24 @@ void ControlBlock::throw_gone(int peer, const WaitContext& ctx) const {
   throw_dead(ctx, peer, slot(peer).pid);
 }
 
-void ControlBlock::mark_left() { slot(rank_).left.store(1, std::memory_order_release); }
+void ControlBlock::mark_left() {
+  slot(rank_).left.store(1, std::memory_order_release);
+  ring();
+}
+
+void ControlBlock::ring() const {
+  Doorbell& bell = slot(rank_).bell;
+  // Both sides' order is sequentially consistent: a sleeper counted after this
+  // load has read the new ring count (and so does not sleep), or sees its change.
+  bell.rung_at.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
+  bell.rings.fetch_add(1, std::memory_order_seq_cst);
+  if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(bell.rings);
+}
+
+void ControlBlock::signal_progress(uint32_t value) const {
+  progress(rank_, ProgressWord::Host).store(value, std::memory_order_release);
+  ring();
+}
 
 void ControlBlock::mark_staging_closed() { slot(rank_).staging_closed.store(1, std::memory_order_release); }
 
@@ -114,12 +131,24 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   mine.waits.fetch_add(1, std::memory_order_relaxed);
   try {
     // This rank's own failure ends the wait too: an abort from another thread.
-    wait_for([&] { return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire); },
-             [&] {
-               mine.waits.fetch_add(1, std::memory_order_relaxed);
-               return alive(peer);
-             },
-             [&] { throw_gone(peer, ctx); }, ctx, peer);
+    auto done = [&] {
+      return ready() || theirs.failed.load(std::memory_order_acquire) || mine.failed.load(std::memory_order_acquire);
+    };
+    Doorbell& bell = slot(peer).bell;
+    wait_for(
+        done,
+        [&] {
+          mine.waits.fetch_add(1, std::memory_order_relaxed);
+          return alive(peer);
+        },
+        [&] { throw_gone(peer, ctx); },
+        [&](std::chrono::microseconds at_most) {
+          bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+          const uint32_t seen = bell.rings.load(std::memory_order_seq_cst);
+          if (!done()) futex_wait(bell.rings, seen, at_most);
+          bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        },
+        [&] { return Clock::time_point(Clock::duration(bell.rung_at.load(std::memory_order_relaxed))); }, ctx, peer);
   } catch (const Failure& failure) {
     mine.waiting_on.store(-1, std::memory_order_relaxed);
     if (failure.kind() == FailureKind::Timeout) throw_timeout_behind(peer, ctx);
@@ -212,6 +241,7 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx, b
   std::strncpy(text, signature.c_str(), kSignatureBytes - 1);
   text[kSignatureBytes - 1] = '\0';
   mine.started.store(n, std::memory_order_release);
+  ring();
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     const RankSlot& theirs = slot(peer);
@@ -232,6 +262,7 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
   // The messages follow gloo's, which tools and torch's tests match.
   if (rank_ != 0) {
     mine.monitored.store(n, std::memory_order_release);
+    ring();
     const RankSlot& root = slot(0);
     try {
       await(0, [&] { return root.monitored.load(std::memory_order_acquire) >= n; }, ctx);
@@ -261,6 +292,7 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
                   (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " + ms);
   }
   mine.monitored.store(n, std::memory_order_release);
+  ring();
 }
 
 void ControlBlock::scribble_for_test(uint64_t seed) {
@@ -289,6 +321,7 @@ void ControlBlock::publish_failure(const Failure& failure) {
   mine.failure[kCauseBytes - 1] = '\0';
   if (cause.size() >= kCauseBytes) std::memcpy(mine.failure + kCauseBytes - 4, "...", 3);  // says it was cut
   mine.failed.store(static_cast<uint32_t>(failure.kind()), std::memory_order_release);
+  ring();
 }
 
 }  // namespace hca

@@ -39,9 +39,21 @@ struct alignas(kCacheLine) ProgressLine {
   std::atomic<uint32_t> value;
 };
 
+// Rung by its rank after every change a peer may wait for (progress, a
+// collective started, a barrier passed, a failure, leaving); a peer that has
+// waited a while sleeps on it (a futex) instead of polling, so that it runs
+// again as soon as the rank rings, not when the scheduler next looks at it:
+// beside other busy processes, a poller gave its core away for a whole time slice.
+struct alignas(kCacheLine) Doorbell {
+  std::atomic<uint32_t> rings{0};
+  std::atomic<uint32_t> sleepers{0};  // peers' threads asleep on `rings`
+  std::atomic<int64_t> rung_at{0};    // steady_clock count of the last ring (one clock per machine)
+};
+
 // One writer per slot (its rank); everyone else only reads it.
 struct alignas(kCacheLine) RankSlot {
   ProgressLine progress[kProgressWords];
+  Doorbell bell;
   // Collectives started; the description of collective n sits in signature[n % 2].
   std::atomic<uint64_t> started;
   int32_t pid;
@@ -98,6 +110,8 @@ class ControlBlock {
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
     return slot(rank).progress[static_cast<int>(word)].value;
   }
+  // Sets this rank's host progress word and wakes the peers asleep on it.
+  void signal_progress(uint32_t value) const;
   // Non-zero once `rank` has published a failure. A rank's streams skip their
   // data operations once its own is set (the GPU reads it in the registered block).
   const std::atomic<uint32_t>& failure_word(int rank) const { return slot(rank).failed; }
@@ -155,6 +169,8 @@ class ControlBlock {
   int first_not_running(const std::vector<int>& chain) const;
   template <class Ready>
   void await(int peer, Ready ready, const WaitContext& ctx) const;
+  // Wakes the peers' threads asleep on this rank's doorbell (after a change they may wait for).
+  void ring() const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
 
   int rank_, world_;

@@ -1,10 +1,17 @@
-// Waiting for another rank: spin a few hundred cycles, then yield, then sleep
-// with growing pauses, so ranks that outnumber cores back off instead of
-// spinning a core away. Every wait has a deadline and notices a dead peer.
+// Waiting for another rank: spin a few hundred cycles, yield a little, then
+// sleep until the rank rings (a futex on shared memory), so ranks that outnumber
+// cores, or share them with other busy processes, give their core away and get
+// it back as soon as there is something to do. Every wait has a deadline and
+// notices a dead peer.
 #pragma once
+#include <linux/futex.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <climits>
 #include <string>
 #include <thread>
 
@@ -39,25 +46,62 @@ inline void cpu_relax() {
 #endif
 }
 
+// A futex on a word of memory shared between processes (not FUTEX_PRIVATE):
+// sleeps while `word` holds `expected`, for at most `at_most`, or until woken.
+inline void futex_wait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::microseconds at_most) {
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex is a plain 32-bit word");
+  const timespec timeout{static_cast<time_t>(at_most.count() / 1000000), static_cast<long>(at_most.count() % 1000000) * 1000};
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &timeout, nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// How long a waiter yields before it sleeps: a peer rank sharing its core
+// runs at once (a switch, no wake-up), and a short wait costs no wake-up.
+constexpr std::chrono::microseconds kYieldBeforeSleeping{1000};
+// A yield that came back this long after the peer rang lost the core to
+// another process, or to a busy thread of this one, for a time slice (4 ms
+// here: every round of a one-pack all-reduce beside busy processes took that
+// long). A sleeper's wake-up takes the core back at once, so the process's
+// waits then sleep without yielding for a while.
+constexpr std::chrono::microseconds kLateAfterYield{2000};
+constexpr std::chrono::milliseconds kNoYieldsAfterALateOne{1000};
+// The longest sleep: a wait still looks at its deadline, its own failure (an
+// abort from another thread rings no peer's doorbell) and the peer's life.
+constexpr std::chrono::microseconds kLongestSleep{5000};
+
+// Until when this process's waits sleep without yielding (a steady_clock count).
+inline std::atomic<Clock::rep>& yields_off_until() {
+  static std::atomic<Clock::rep> until{0};
+  return until;
+}
+
 // Until ready(); every 50 ms asks alive() whether `peer` is still there, and
-// calls gone() (which throws) if it is not.
-template <class Ready, class Alive, class Gone>
-void wait_for(Ready ready, Alive alive, Gone gone, const WaitContext& ctx, int peer) {
+// calls gone() (which throws) if it is not. sleep(at_most) blocks until the
+// peer rings its doorbell (or at_most has passed; it may return early);
+// last_rung() is when it last rang.
+template <class Ready, class Alive, class Gone, class Sleep, class LastRung>
+void wait_for(Ready ready, Alive alive, Gone gone, Sleep sleep, LastRung last_rung, const WaitContext& ctx,
+              int peer) {
   for (int i = 0; i < 256; ++i) {
     if (ready()) return;
     cpu_relax();
   }
   const auto start = Clock::now();
+  bool yielding = start.time_since_epoch().count() >= yields_off_until().load(std::memory_order_relaxed);
   auto next_liveness_check = start + std::chrono::milliseconds(50);
   while (!ready()) {
-    const auto now = Clock::now();
-    const auto waited = now - start;
-    // Yield rather than spin: a peer sharing this core runs at once, and on
-    // an idle core the call returns at once. Sleep only after a long wait.
-    if (waited < std::chrono::milliseconds(1)) {
+    auto now = Clock::now();
+    if (yielding && now - start < kYieldBeforeSleeping) {
       sched_yield();
+      now = Clock::now();
+      if (ready() && now - last_rung() > kLateAfterYield) {
+        yields_off_until().store((now + kNoYieldsAfterALateOne).time_since_epoch().count(), std::memory_order_relaxed);
+      }
     } else {
-      std::this_thread::sleep_for(std::min<Clock::duration>(waited / 8, std::chrono::microseconds(500)));
+      sleep(kLongestSleep);
+      now = Clock::now();
     }
     if (now > next_liveness_check) {
       if (!alive()) {

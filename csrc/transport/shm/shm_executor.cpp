@@ -29,9 +29,7 @@ void HostMedium::wait(int peer, uint32_t at_least, const WaitContext& ctx) {
   control_.wait_progress(peer, ProgressWord::Host, at_least, ctx);
 }
 
-void HostMedium::signal(uint32_t value) {
-  control_.progress(control_.rank(), ProgressWord::Host).store(value, std::memory_order_release);
-}
+void HostMedium::signal(uint32_t value) { control_.signal_progress(value); }
 
 std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std::string& key, int rank, int world,
                                                size_t slot_bytes, int slots, std::chrono::milliseconds timeout) {
