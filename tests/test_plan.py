@@ -157,3 +157,6 @@ def test_num_packs_is_chosen_per_call_where_the_user_set_none(world, cpus, numel
     assert len(torch_hca.explain(world, "reduce_to_one_device", numels=[numel], cpus=cpus).packs) == 1
     assert "chosen per call" not in torch_hca.explain(world, num_packs=2, numels=[numel], cpus=cpus).text
     assert "chosen per call" not in torch_hca.explain(world, "reduce_to_one_device", numels=[numel], cpus=cpus).text
+    # CUDA tensors: one pack of hierarchical copy until a GPU has measured a choice.
+    cuda = torch_hca.explain(world, numels=[numel], cpus=cpus, device="cuda")
+    assert len(cuda.packs) == 1 and cuda.chosen is None and "chosen per call" not in cuda.text
