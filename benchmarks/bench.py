@@ -44,12 +44,12 @@ def backends(world, device):
     """(label, backend, hca options) for every contender."""
     import torch_hca
 
-    rows = [("gloo", "gloo", None), (DEFAULTS, "hca", torch_hca.Options()),
-            ("hca/hierarchical_copy", "hca", torch_hca.Options("hierarchical_copy", num_packs=1))]
-    if world > 1:
-        rows.append((f"hca/hierarchical_copy(num_packs={world})", "hca",
-                     torch_hca.Options("hierarchical_copy", num_packs=world)))
-    rows.append(("hca/reduce_to_one_device", "hca", torch_hca.Options("reduce_to_one_device")))
+    rows = [("gloo", "gloo", None), (DEFAULTS, "hca", torch_hca.Options())]
+    # Each candidate of the cost model as a fixed setting (one rank: a pack per rank is one pack).
+    for name, (algorithm, per_rank) in CANDIDATES.items():
+        if not (per_rank and world == 1):
+            rows.append((f"hca/{fixed_label(name, world)}", "hca",
+                         torch_hca.Options(algorithm, num_packs=world if per_rank else 1)))
     if device == "cuda" and dist.is_nccl_available() and world <= torch.cuda.device_count():
         rows.append(("nccl", "nccl", None))
     return rows

@@ -132,10 +132,12 @@ def explain(
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
                                              root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
-        predicted = model.predict_us(4 * sum(numels), names) if model and collective == "allreduce" else None
-        choice = _choice(model, names, 4 * sum(numels)) if predicted else ""
+        nbytes = 4 * sum(numels)
+        predicted = model.predict_us(nbytes, names) if model and collective == "allreduce" else None
+        chosen = model.choose(nbytes, names) if predicted else None
+        choice = _choice(model, names, predicted, chosen) if predicted else ""
         plan = Plan(list(packs), f"{hierarchy}\n{choice}{text}", list(roles), [list(r) for r in rounds], hierarchy,
-                    predicted, model, model.choose(4 * sum(numels), names) if predicted else None)
+                    predicted, model, chosen)
     if running is not None:
         where = running["staging"][device] or f"not set up yet (at the group's first collective on {device} tensors)"
         plan.text = f"{plan.text.rstrip()}\nstaging of {device} tensors: {where}\n"
@@ -153,10 +155,9 @@ def _cost_model(running, world_size, cpus, groups) -> costs.CostModel:
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
 
-def _choice(model, names, nbytes) -> str:
-    """The lines that say what the call gets and why, where hca chose it."""
-    predicted = model.predict_us(nbytes, names)
-    return (f"chosen per call: {costs.WORDS[model.choose(nbytes, names)]} (set algorithm and num_packs to fix it): "
+def _choice(model, names, predicted, chosen) -> str:
+    """The lines that say what the call gets (`chosen`) and why, where hca chose it."""
+    return (f"chosen per call: {costs.WORDS[chosen]} (set algorithm and num_packs to fix it): "
             f"{model.rule(names)}, by the cost model of {model.origin}\n"
             f"  predicted: " + ", ".join(f"{costs.WORDS[n]} {t:.1f} us" for n, t in predicted.items()) + "\n")
 

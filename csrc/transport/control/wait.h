@@ -13,7 +13,6 @@
 #include <chrono>
 #include <climits>
 #include <string>
-#include <thread>
 
 #include "failure.h"
 
