@@ -4,10 +4,12 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include <thread>
 #include <tuple>
 
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
+#include "../transport/control/outside_load.h"
 #include "../transport/control/segment.h"
 #include "../transport/shm/mailbox.h"
 #include "../transport/stream/aligned_span.h"
@@ -294,6 +296,20 @@ PYBIND11_MODULE(_C, m) {
         "Bytes of each point-to-point channel's ring in a group of `world` ranks");
   m.def("_stashed_bytes_in_process", &shm::stashed_bytes_in_process,
         "Bytes of early point-to-point messages this process holds, over all its groups (tests)");
+  m.def(
+      "_outside_cores",
+      [](const std::vector<int>& group, double seconds) {
+        std::vector<ProcessId> processes;
+        for (int pid : group) processes.push_back({pid, process_start_time(pid)});
+        const auto from = sample_cpu(processes);
+        std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+        const auto to = sample_cpu(processes);
+        if (!from || !to) throw std::runtime_error("hca: /proc/stat cannot be read here");
+        return outside_cores(*from, *to);
+      },
+      py::arg("group"), py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
+      "Tests: the cores' worth of CPU that processes other than `group` (pids) used over `seconds`, "
+      "as a wait judges a late yield");
   m.def("shared_memory_identity", &shared_memory_identity,
         "This process's kernel (boot id) and /dev/shm (its device): equal for ranks that share memory");
   // Tests: joins the segment the store names under `key` as `rank` (rank 0 creates it and

@@ -14,7 +14,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 9;
+constexpr uint32_t kLayoutVersion = 10;
 
 }  // namespace
 
@@ -40,6 +40,7 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
   }
   // The lock first: a peer that sees the pid asks the lock whether this rank lives.
   segment_->lock_byte(rank);
+  slot(rank).pid_started = process_start_time(static_cast<int>(getpid()));
   slot(rank).pid = static_cast<int32_t>(getpid());
 }
 
@@ -64,6 +65,14 @@ void ControlBlock::ring() const {
   bell.rung_at.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   bell.rings.fetch_add(1, std::memory_order_seq_cst);
   if (bell.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(bell.rings);
+}
+
+std::vector<ProcessId> ControlBlock::processes() const {
+  std::vector<ProcessId> out;
+  for (int r = 0; r < world_; ++r) {
+    if (slot(r).pid != 0) out.push_back({slot(r).pid, slot(r).pid_started});
+  }
+  return out;
 }
 
 void ControlBlock::signal_progress(uint32_t value) const {
@@ -148,7 +157,8 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
           if (!done()) futex_wait(bell.rings, seen, at_most);
           bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
         },
-        [&] { return Clock::time_point(Clock::duration(bell.rung_at.load(std::memory_order_relaxed))); }, ctx, peer);
+        [&] { return Clock::time_point(Clock::duration(bell.rung_at.load(std::memory_order_relaxed))); },
+        [&] { return outside_load_.busy(processes()); }, ctx, peer);
   } catch (const Failure& failure) {
     mine.waiting_on.store(-1, std::memory_order_relaxed);
     if (failure.kind() == FailureKind::Timeout) throw_timeout_behind(peer, ctx);

@@ -15,6 +15,7 @@
 
 #include "../rendezvous.h"
 #include "failure.h"
+#include "outside_load.h"
 #include "segment.h"
 #include "wait.h"
 
@@ -57,6 +58,7 @@ struct alignas(kCacheLine) RankSlot {
   // Collectives started; the description of collective n sits in signature[n % 2].
   std::atomic<uint64_t> started;
   int32_t pid;
+  uint64_t pid_started;  // the process's start time (ticks since boot): tells its pid from another's
   // Set when the rank shut its group down: once its lock is gone, it left, not died.
   std::atomic<uint32_t> left;
   // Set once the rank has let go of its mappings of the peers' device staging.
@@ -171,6 +173,8 @@ class ControlBlock {
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   // Wakes the peers' threads asleep on this rank's doorbell (after a change they may wait for).
   void ring() const;
+  // The group's ranks' processes, as their slots say.
+  std::vector<ProcessId> processes() const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
 
   int rank_, world_;
@@ -180,6 +184,7 @@ class ControlBlock {
   uint64_t internal_ = 0;     // of which hca's own
   uint64_t monitored_ = 0;    // monitored barriers entered by this rank
   std::mutex publishing_;     // collectives and point-to-point fail on different threads
+  mutable OutsideLoad outside_load_;  // asked after a wait's late yield
 };
 
 }  // namespace hca

@@ -59,11 +59,13 @@ inline void futex_wake_all(std::atomic<uint32_t>& word) {
 // How long a waiter yields before it sleeps: a peer rank sharing its core
 // runs at once (a switch, no wake-up), and a short wait costs no wake-up.
 constexpr std::chrono::microseconds kYieldBeforeSleeping{1000};
-// A yield that came back this long after the peer rang lost the core to
-// another process, or to a busy thread of this one, for a time slice (4 ms
-// here: every round of a one-pack all-reduce beside busy processes took that
-// long). A sleeper's wake-up takes the core back at once, so the process's
-// waits then sleep without yielding for a while.
+// A yield that came back this long after the peer rang lost the core for a
+// time slice (4 ms here). If another process took it (every round of a
+// one-pack all-reduce beside busy processes took that long), a sleeper's
+// wake-up takes the core back at once, so the process's waits then sleep
+// without yielding for a while. If the group's ranks took it (more ranks than
+// cores, computing beside their collectives), yields stay: they hand the core
+// between ranks without a wake-up's cost.
 constexpr std::chrono::microseconds kLateAfterYield{2000};
 constexpr std::chrono::milliseconds kNoYieldsAfterALateOne{1000};
 // The longest sleep: a wait still looks at its deadline, its own failure (an
@@ -79,10 +81,11 @@ inline std::atomic<Clock::rep>& yields_off_until() {
 // Until ready(); every 50 ms asks alive() whether `peer` is still there, and
 // calls gone() (which throws) if it is not. sleep(at_most) blocks until the
 // peer rings its doorbell (or at_most has passed; it may return early);
-// last_rung() is when it last rang.
-template <class Ready, class Alive, class Gone, class Sleep, class LastRung>
-void wait_for(Ready ready, Alive alive, Gone gone, Sleep sleep, LastRung last_rung, const WaitContext& ctx,
-              int peer) {
+// last_rung() is when it last rang; outsiders_busy() whether processes other
+// than the ranks keep the cores busy (asked after a late yield only).
+template <class Ready, class Alive, class Gone, class Sleep, class LastRung, class OutsidersBusy>
+void wait_for(Ready ready, Alive alive, Gone gone, Sleep sleep, LastRung last_rung, OutsidersBusy outsiders_busy,
+              const WaitContext& ctx, int peer) {
   for (int i = 0; i < 256; ++i) {
     if (ready()) return;
     cpu_relax();
@@ -95,7 +98,7 @@ void wait_for(Ready ready, Alive alive, Gone gone, Sleep sleep, LastRung last_ru
     if (yielding && now - start < kYieldBeforeSleeping) {
       sched_yield();
       now = Clock::now();
-      if (ready() && now - last_rung() > kLateAfterYield) {
+      if (ready() && now - last_rung() > kLateAfterYield && outsiders_busy()) {
         yields_off_until().store((now + kNoYieldsAfterALateOne).time_since_epoch().count(), std::memory_order_relaxed);
       }
     } else {

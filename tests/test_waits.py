@@ -1,0 +1,76 @@
+"""Waits beside other busy processes. A wait whose yield came back late sleeps on doorbells from
+then on only if processes outside the group kept the cores busy; torch_hca._C._outside_cores
+measures that as the wait does (/proc), and the collectives stay right while it decides."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import run_ranks
+from reference import make_input, mismatch, reduce_reference
+
+# The share of a core above which a wait blames outsiders (OutsideLoad::kBusyCores).
+BUSY_CORES = 0.5
+
+
+def _busy_loop():
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@pytest.fixture
+def busy_process():
+    process = _busy_loop()
+    time.sleep(0.2)  # the interpreter's start-up is not the loop
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_busy_process_outside_the_group_is_an_outsider(busy_process):
+    assert torch_hca._C._outside_cores([os.getpid()], 0.5) >= BUSY_CORES
+
+
+def test_a_busy_process_of_the_group_is_not(busy_process):
+    assert torch_hca._C._outside_cores([os.getpid(), busy_process.pid], 0.5) < BUSY_CORES
+
+
+def test_a_pid_that_names_no_process_counts_as_outside(busy_process):
+    """A rank's pid read from another pid namespace may name nothing here (or another process:
+    the start time in its slot tells them apart); its CPU is then nobody's in the group."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert torch_hca._C._outside_cores([os.getpid(), gone.pid], 0.5) >= BUSY_CORES
+
+
+def _calls_beside_busy_processes(rank, world, calls):
+    """One-pack all-reduces and broadcasts, many of several rounds: long enough (beside busy
+    processes) for late yields, looks at /proc, and waits that sleep on doorbells."""
+    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
+    errors = []
+    for call in range(calls):
+        numel = [256, 262144, 2097152][call % 3]
+        inputs = [make_input(call, r, numel, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=group)
+        errors.append(mismatch(f"allreduce #{call} of {numel}", t, reduce_reference(inputs, "SUM"), world))
+        b = inputs[rank].clone()
+        dist.broadcast(b, src=call % world, group=group)
+        errors.append(mismatch(f"broadcast #{call} of {numel}", b, inputs[call % world], world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_beside_busy_processes(world):
+    busy = [_busy_loop() for _ in range(2)]
+    try:
+        results = run_ranks(_calls_beside_busy_processes, world, 30)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert results == [[]] * world
