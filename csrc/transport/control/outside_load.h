@@ -49,7 +49,8 @@ class OutsideLoad {
   static constexpr std::chrono::milliseconds kShortestWindow{100};
 
   // Whether outsiders were busy between the previous look and now; between looks
-  // closer than kShortestWindow, the last answer (false until there were two).
+  // closer than kShortestWindow, the last answer (false until there were two);
+  // true where /proc cannot be read (the safe side beside busy processes).
   // Called after a late yield only: a look reads /proc, tens of microseconds.
   bool busy(const std::vector<ProcessId>& group);
 
