@@ -19,13 +19,11 @@ job would: the defaults must stay ahead of gloo there too.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_hca.bench import bus_factor, iterations, measure, median_seconds, parse_size, print_table
+from torch_hca.bench import bus_factor, busy_processes, iterations, measure, median_seconds, parse_size, print_table
 from torch_hca.costs import CANDIDATES
 from torch_hca.reference import rank_device
 
@@ -202,18 +200,6 @@ def print_latency(latency):
             blocking, async_ = cell[(b, "blocking", world, size)], cell[(b, "async", world, size)]
             line += [f"{blocking:.1f}", f"{async_:.1f}"] + ([f"{async_ / blocking:.2f}"] if num_packs else [])
         print("| " + " | ".join(line) + " |")
-
-
-@contextlib.contextmanager
-def busy_processes(count):
-    """`count` processes that each keep a CPU busy (plain Python spinning), for as long as the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def worker(rank, world, init, sizes, ops, out_path, device, pin):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
+from torch_hca.bench import busy_processes
 from harness import run_ranks
 from reference import make_input, mismatch, reduce_reference
 
@@ -18,17 +19,11 @@ from reference import make_input, mismatch, reduce_reference
 BUSY_CORES = 0.5
 
 
-def _busy_loop():
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
 @pytest.fixture
 def busy_process():
-    process = _busy_loop()
-    time.sleep(0.2)  # the interpreter's start-up is not the loop
-    yield process
-    process.kill()
-    process.wait()
+    with busy_processes(1) as (process,):
+        time.sleep(0.2)  # the interpreter's start-up is not the loop
+        yield process
 
 
 def test_a_busy_process_outside_the_group_is_an_outsider(busy_process):
@@ -66,11 +61,6 @@ def _calls_beside_busy_processes(rank, world, calls):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_beside_busy_processes(world):
-    busy = [_busy_loop() for _ in range(2)]
-    try:
+    with busy_processes(2):
         results = run_ranks(_calls_beside_busy_processes, world, 30)
-    finally:
-        for process in busy:
-            process.kill()
-            process.wait()
     assert results == [[]] * world

@@ -18,10 +18,12 @@ Columns, as nccl-tests prints them:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -119,6 +121,19 @@ def median_seconds(fn, iters, warmup, dev, timer_group):
     median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
     return median.item()
+
+
+@contextlib.contextmanager
+def busy_processes(count):
+    """`count` processes that each keep a CPU busy (plain Python spinning), for as long as the block
+    runs; yields them (benchmarks and tests of waits beside other busy processes)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def iterations(nbytes: int) -> int:
