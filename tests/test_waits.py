@@ -1,6 +1,8 @@
-"""Waits beside other busy processes. A wait whose yield came back late sleeps on doorbells from
-then on only if processes outside the group kept the cores busy; torch_hca._C._outside_cores
-measures that as the wait does (/proc), and the collectives stay right while it decides."""
+"""Waits beside other busy processes, and ranks sharing a CPU. A wait whose yield came back late
+sleeps on doorbells from then on only if processes outside the group kept the cores busy;
+torch_hca._C._outside_cores measures that as the wait does (/proc), and the collectives stay right
+while it decides. A wait for a rank that said it runs on the waiter's own CPU does not spin."""
+import functools
 import os
 import subprocess
 import sys
@@ -64,3 +66,37 @@ def test_collectives_beside_busy_processes(world):
     with busy_processes(2):
         results = run_ranks(_calls_beside_busy_processes, world, 30)
     assert results == [[]] * world
+
+
+def _pin(cpus, rank):
+    """Before the group (its threads inherit it): rank r on the r-th of `cpus`, round robin."""
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
+
+
+def _calls_on_pinned_cpus(rank, world, cpus):
+    """Collectives of several sizes, every element checked, then the CPU each rank says it runs on."""
+    group = dist.group.WORLD
+    errors = []
+    for call, numel in enumerate([1, 4096, 262144, 1048576] * 3):
+        inputs = [make_input(call, r, numel, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        errors.append(mismatch(f"allreduce #{call} of {numel}", t, reduce_reference(inputs, "SUM"), world))
+        b = inputs[rank].clone()
+        dist.broadcast(b, src=call % world)
+        errors.append(mismatch(f"broadcast #{call} of {numel}", b, inputs[call % world], world))
+    said = [group._get_backend(torch.device("cpu"))._cpu_said_by(r) for r in range(world)]
+    return [e for e in errors if e], said
+
+
+@pytest.mark.parametrize("world,layout", [(2, "one cpu"), (3, "one cpu"), (3, "round robin")])
+def test_ranks_sharing_a_cpu(world, layout):
+    """A rank waiting for a peer that said it runs on the same CPU skips its spin (the peer cannot
+    run meanwhile): each rank's slot must say where it runs, and the collectives stay right."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = allowed[:1] if layout == "one cpu" else allowed
+    results = run_ranks(_calls_on_pinned_cpus, world, cpus, before_init=functools.partial(_pin, cpus))
+    expected = [cpus[r % len(cpus)] for r in range(world)]
+    for rank, (errors, said) in enumerate(results):
+        assert errors == []
+        assert said == expected, f"rank {rank} read the ranks' CPUs {said}, pinned {expected}"

@@ -227,6 +227,7 @@ PYBIND11_MODULE(_C, m) {
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
       .def("_p2p_reserved_bytes", &ProcessGroupHCA::p2p_reserved_bytes)
+      .def("_cpu_said_by", &ProcessGroupHCA::cpu_said_by, py::arg("rank"))
       // Backend.get_error from torch 2.14 on; here for older torch too.
       .def("get_error", &ProcessGroupHCA::getError)
       .def_property("_global_ranks", [](ProcessGroupHCA& pg) { return pg.calls().global_ranks(); },

@@ -73,6 +73,12 @@ class ProcessGroupHCA : public c10d::Backend {
     control_->scribble_for_test(seed);
     mailbox_->scribble_for_test(seed);
   }
+  // Tests: the CPU `rank` said last that it runs on (-1: none yet); see ControlBlock's RankSlot.
+  int cpu_said_by(int rank) {
+    const auto call = life_.enter("cpu_said_by");
+    TORCH_CHECK(rank >= 0 && rank < control_->world(), "no rank ", rank, " in a group of ", control_->world());
+    return control_->cpu_said_by(rank);
+  }
   // Tests: bytes of /dev/shm this group's point-to-point channels hold now.
   size_t p2p_reserved_bytes() {
     const auto call = life_.enter("p2p_reserved_bytes");

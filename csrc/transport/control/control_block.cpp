@@ -1,5 +1,6 @@
 #include "control_block.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -14,7 +15,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 10;
+constexpr uint32_t kLayoutVersion = 11;
 
 }  // namespace
 
@@ -132,12 +133,23 @@ void ControlBlock::throw_peer_failed(int peer, const WaitContext& ctx) const {
                 "rank " + std::to_string(peer) + " failed: " + slot_text(theirs.failure));
 }
 
+int ControlBlock::say_where_this_rank_runs() const {
+  const int here = sched_getcpu();
+  std::atomic<int32_t>& cpu = slot(rank_).placement.cpu;
+  if (cpu.load(std::memory_order_relaxed) != here) cpu.store(here, std::memory_order_relaxed);
+  return here;
+}
+
 template <class Ready>
 void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const RankSlot& theirs = slot(peer);
   RankSlot& mine = slot(rank_);
   mine.waiting_on.store(peer, std::memory_order_relaxed);
   mine.waits.fetch_add(1, std::memory_order_relaxed);
+  const int here = say_where_this_rank_runs();
+  // The peer said last that it ran here; it does not run while this thread does (where it moved
+  // since, a yield returns at once and the wait goes on).
+  const bool peer_may_be_running = theirs.placement.cpu.load(std::memory_order_relaxed) != here;
   try {
     // This rank's own failure ends the wait too: an abort from another thread.
     auto done = [&] {
@@ -158,13 +170,14 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
           bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
         },
         [&] { return Clock::time_point(Clock::duration(bell.rung_at.load(std::memory_order_relaxed))); },
-        [&] { return outside_load_.busy(processes()); }, ctx, peer);
+        [&] { return outside_load_.busy(processes()); }, peer_may_be_running, ctx, peer);
   } catch (const Failure& failure) {
     mine.waiting_on.store(-1, std::memory_order_relaxed);
     if (failure.kind() == FailureKind::Timeout) throw_timeout_behind(peer, ctx);
     throw;
   }
   mine.waiting_on.store(-1, std::memory_order_relaxed);
+  say_where_this_rank_runs();  // where it works until its next wait
   if (ready()) return;
   check_peer_failed(peer, ctx);
   check_usable(ctx.operation);
@@ -317,6 +330,7 @@ void ControlBlock::scribble_for_test(uint64_t seed) {
   if (rng() % 2) mine.started.store(rng() % 2 ? rng() : mine.started.load() + 1 + rng() % 3);
   if (rng() % 2) mine.failed.store(static_cast<uint32_t>(rng()));
   if (rng() % 2) mine.waiting_on.store(static_cast<int32_t>(rng()));
+  if (rng() % 2) mine.placement.cpu.store(static_cast<int32_t>(rng()));
   for (auto& line : mine.progress) {
     if (rng() % 2) line.value.store(static_cast<uint32_t>(rng()));
   }

@@ -69,6 +69,15 @@ struct alignas(kCacheLine) RankSlot {
   // Counts this rank's waits, and every 50 ms of a long one: a rank whose count
   // stands still is not running (stopped, or stuck outside any wait).
   std::atomic<uint64_t> waits{0};
+  // The CPU this rank's last wait began or ended on (-1: none yet). A peer that
+  // waits for this rank on the same CPU skips its spin: the rank cannot run
+  // until the peer gives the CPU up (ranks outnumbering the cores, or placed
+  // on one core beside busy processes). A line of its own, written only when
+  // the rank moved: peers read it at every wait, and a line the rank writes
+  // at every wait (`waits`) would cost each of those reads a miss.
+  struct alignas(kCacheLine) {
+    std::atomic<int32_t> cpu{-1};
+  } placement;
   char signature[2][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
@@ -152,6 +161,8 @@ class ControlBlock {
   // Tests: random words and text (no NUL) in this rank's slot, as a broken or
   // hostile peer would leave them; the ranks reading them must not crash.
   void scribble_for_test(uint64_t seed);
+  // Tests: the CPU `rank` said last that it runs on (-1: none yet).
+  int cpu_said_by(int rank) const { return slot(rank).placement.cpu.load(std::memory_order_relaxed); }
 
   // The mapping, for registering it with a device.
   char* data() const { return segment_->data(); }
@@ -173,6 +184,8 @@ class ControlBlock {
   void await(int peer, Ready ready, const WaitContext& ctx) const;
   // Wakes the peers' threads asleep on this rank's doorbell (after a change they may wait for).
   void ring() const;
+  // Puts the CPU this thread runs on in this rank's slot (if it moved) and returns it.
+  int say_where_this_rank_runs() const;
   // The group's ranks' processes, as their slots say.
   std::vector<ProcessId> processes() const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
