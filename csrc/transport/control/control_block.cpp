@@ -148,8 +148,8 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   mine.waits.fetch_add(1, std::memory_order_relaxed);
   const int here = say_where_this_rank_runs();
   // The peer said last that it ran here; it does not run while this thread does (where it moved
-  // since, a yield returns at once and the wait goes on).
-  const bool peer_may_be_running = theirs.placement.cpu.load(std::memory_order_relaxed) != here;
+  // since, a yield returns at once and the wait goes on). -1: sched_getcpu failed, nothing known.
+  const bool peer_may_be_running = here < 0 || theirs.placement.cpu.load(std::memory_order_relaxed) != here;
   try {
     // This rank's own failure ends the wait too: an abort from another thread.
     auto done = [&] {
