@@ -44,13 +44,11 @@ def test_a_pid_that_names_no_process_counts_as_outside(busy_process):
     assert torch_hca._C._outside_cores([os.getpid(), gone.pid], 0.5) >= BUSY_CORES
 
 
-def _calls_beside_busy_processes(rank, world, calls):
-    """One-pack all-reduces and broadcasts, many of several rounds: long enough (beside busy
-    processes) for late yields, looks at /proc, and waits that sleep on doorbells."""
-    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
+def _checked_calls(rank, world, sizes, group=None):
+    """An all-reduce and a broadcast (root rotating) of each size in `sizes` (elements), every
+    element checked; the mismatches found."""
     errors = []
-    for call in range(calls):
-        numel = [256, 262144, 2097152][call % 3]
+    for call, numel in enumerate(sizes):
         inputs = [make_input(call, r, numel, torch.float32, "SUM") for r in range(world)]
         t = inputs[rank].clone()
         dist.all_reduce(t, group=group)
@@ -59,6 +57,13 @@ def _calls_beside_busy_processes(rank, world, calls):
         dist.broadcast(b, src=call % world, group=group)
         errors.append(mismatch(f"broadcast #{call} of {numel}", b, inputs[call % world], world))
     return [e for e in errors if e]
+
+
+def _calls_beside_busy_processes(rank, world, calls):
+    """One-pack all-reduces and broadcasts, many of several rounds: long enough (beside busy
+    processes) for late yields, looks at /proc, and waits that sleep on doorbells."""
+    group = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
+    return _checked_calls(rank, world, [[256, 262144, 2097152][call % 3] for call in range(calls)], group)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -73,20 +78,11 @@ def _pin(cpus, rank):
     os.sched_setaffinity(0, {cpus[rank % len(cpus)]})
 
 
-def _calls_on_pinned_cpus(rank, world, cpus):
+def _calls_on_pinned_cpus(rank, world):
     """Collectives of several sizes, every element checked, then the CPU each rank says it runs on."""
-    group = dist.group.WORLD
-    errors = []
-    for call, numel in enumerate([1, 4096, 262144, 1048576] * 3):
-        inputs = [make_input(call, r, numel, torch.float32, "SUM") for r in range(world)]
-        t = inputs[rank].clone()
-        dist.all_reduce(t)
-        errors.append(mismatch(f"allreduce #{call} of {numel}", t, reduce_reference(inputs, "SUM"), world))
-        b = inputs[rank].clone()
-        dist.broadcast(b, src=call % world)
-        errors.append(mismatch(f"broadcast #{call} of {numel}", b, inputs[call % world], world))
-    said = [group._get_backend(torch.device("cpu"))._cpu_said_by(r) for r in range(world)]
-    return [e for e in errors if e], said
+    errors = _checked_calls(rank, world, [1, 4096, 262144, 1048576] * 3)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return errors, [backend._cpu_said_by(r) for r in range(world)]
 
 
 @pytest.mark.parametrize("world,layout", [(2, "one cpu"), (3, "one cpu"), (3, "round robin")])
@@ -95,7 +91,7 @@ def test_ranks_sharing_a_cpu(world, layout):
     run meanwhile): each rank's slot must say where it runs, and the collectives stay right."""
     allowed = sorted(os.sched_getaffinity(0))
     cpus = allowed[:1] if layout == "one cpu" else allowed
-    results = run_ranks(_calls_on_pinned_cpus, world, cpus, before_init=functools.partial(_pin, cpus))
+    results = run_ranks(_calls_on_pinned_cpus, world, before_init=functools.partial(_pin, cpus))
     expected = [cpus[r % len(cpus)] for r in range(world)]
     for rank, (errors, said) in enumerate(results):
         assert errors == []
