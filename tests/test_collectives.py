@@ -177,7 +177,8 @@ def _odd_shapes(rank, world, device):
 
 
 def _coalescing_manager(rank, world, device):
-    """torch's coalescing manager routes a run of all_reduce calls to allreduce_coalesced."""
+    """torch's coalescing manager routes a run of all_reduce calls to allreduce_coalesced, then
+    waits on the Work that ends the window (startCoalescing/endCoalescing), not on that call's."""
     dev = rank_device(device, rank)
     errors = []
     for async_ops in (True, False):
@@ -188,6 +189,10 @@ def _coalescing_manager(rank, world, device):
             for t in mine:
                 dist.all_reduce(t)
         if async_ops:
+            # The Work that ends the window stands for the window's calls: on a GPU, waiting on a
+            # Work of its own would leave the caller's stream unordered after them.
+            ended = [x.data_ptr() for w in cm.works for x in w.result()]
+            errors.append(None if ended == [t.data_ptr() for t in mine] else f"the window's Work holds {ended}")
             cm.wait()
         for i, t in enumerate(mine):
             want = reduce_reference([inputs[r][i] for r in range(world)], "SUM")

@@ -21,12 +21,16 @@ def _check(errors, name, got, want):
         errors.append(f"{name}: got {got.dtype}{list(got.shape)}, {(got != want).sum().item() if got.shape == want.shape else '-'} differ")
 
 
-def _wait(work, async_op):
-    """The async path: through the Work's Future (as DDP hooks read it), then the Work."""
+def _wait(work, async_op, dev):
+    """The async path: through the Work's Future (as DDP hooks read it), then the Work. Neither
+    blocks a GPU's host until the device is done (they order the caller's stream), and
+    is_completed() says what the device did: so only once the host has waited for the device."""
     if async_op:
         work.get_future().wait()
-        assert work.is_completed()
         work.wait()
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        assert work.is_completed()
 
 
 def _rooted(rank, world, device, async_op):
@@ -37,7 +41,7 @@ def _rooted(rank, world, device, async_op):
                 # gather
                 mine = _data(rank, case, numel, dtype)
                 out = [torch.full((numel,), 7, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
-                _wait(dist.gather(mine.to(dev), out, dst=root, async_op=async_op), async_op)
+                _wait(dist.gather(mine.to(dev), out, dst=root, async_op=async_op), async_op, dev)
                 if rank == root:
                     for j in range(world):
                         _check(errors, f"gather {dtype} {numel} root {root} from {j}", out[j], _data(j, case, numel, dtype))
@@ -45,7 +49,7 @@ def _rooted(rank, world, device, async_op):
                 parts = [_data(root, 100 + case + j, numel, dtype).to(dev) for j in range(world)]
                 got = torch.full((numel,), 7, dtype=dtype, device=dev)
                 work = dist.scatter(got, parts if rank == root else None, src=root, async_op=async_op)
-                _wait(work, async_op)
+                _wait(work, async_op, dev)
                 _check(errors, f"scatter {dtype} {numel} root {root}", got, _data(root, 100 + case + rank, numel, dtype))
     return errors
 
@@ -72,7 +76,7 @@ def _alltoall(rank, world, device, async_op):
         rows = 2
         mine = _data(rank, case, world * rows * 3, dtype).reshape(world * rows, 3)
         out = torch.full((world * rows, 3), 7, dtype=dtype, device=dev)
-        _wait(dist.all_to_all_single(out, mine.to(dev), async_op=async_op), async_op)
+        _wait(dist.all_to_all_single(out, mine.to(dev), async_op=async_op), async_op, dev)
         want = torch.cat([_data(i, case, world * rows * 3, dtype).reshape(world * rows, 3)[rank * rows:(rank + 1) * rows]
                           for i in range(world)])
         _check(errors, f"all_to_all_single equal {dtype}", out, want)
@@ -83,7 +87,7 @@ def _alltoall(rank, world, device, async_op):
         expects = [table[i][rank] * scale for i in range(world)]
         mine = _data(rank, 50 + case, sum(sends) * 5, dtype).reshape(-1, 5)
         out = torch.full((sum(expects), 5), 7, dtype=dtype, device=dev)
-        _wait(dist.all_to_all_single(out, mine.to(dev), expects, sends, async_op=async_op), async_op)
+        _wait(dist.all_to_all_single(out, mine.to(dev), expects, sends, async_op=async_op), async_op, dev)
         want = []
         for i in range(world):
             theirs = _data(i, 50 + case, sum(table[i][j] * scale for j in range(world)) * 5, dtype).reshape(-1, 5)
@@ -93,7 +97,7 @@ def _alltoall(rank, world, device, async_op):
         # The list form: tensor j goes to rank j, of a size that depends on both ends.
         ins = [_data(rank, 200 + case + j, rank + 2 * j + 1, dtype).to(dev) for j in range(world)]
         outs = [torch.full((i + 2 * rank + 1,), 7, dtype=dtype, device=dev) for i in range(world)]
-        _wait(dist.all_to_all(outs, ins, async_op=async_op), async_op)
+        _wait(dist.all_to_all(outs, ins, async_op=async_op), async_op, dev)
         for i in range(world):
             _check(errors, f"all_to_all list {dtype} from {i}", outs[i], _data(i, 200 + case + rank, i + 2 * rank + 1, dtype))
     return errors

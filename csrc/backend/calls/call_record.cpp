@@ -18,6 +18,29 @@ void CallRecorder::set_global_ranks(const std::vector<int64_t>& ranks) {
   if (rank_stride_ <= 0) rank_stride_ = -1;
 }
 
+void CallRecorder::open_window() {
+  std::lock_guard<std::mutex> lock(window_mutex_);
+  window_.clear();  // a window never closed (an exception in the manager's body) is dropped
+  window_open_ = true;
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> CallRecorder::close_window() {
+  std::lock_guard<std::mutex> lock(window_mutex_);
+  window_open_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.swap(window_);
+  return works;
+}
+
+c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Work> work) {
+  ++issued_;
+  if (window_open_.load(std::memory_order_relaxed) && work) {
+    std::lock_guard<std::mutex> lock(window_mutex_);
+    if (window_open_) window_.push_back(work);
+  }
+  return work;
+}
+
 int64_t CallRecorder::numel(const std::vector<at::Tensor>& tensors) {
   int64_t total = 0;
   for (const auto& t : tensors) total += t.defined() ? t.numel() : 0;

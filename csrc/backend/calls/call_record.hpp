@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
 
 #include <atomic>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -50,6 +51,11 @@ class CallRecorder {
   void reset() { issued_ = 0; }
   uint64_t issued() const { return issued_; }
 
+  // torch's coalescing manager (startCoalescing, then endCoalescing): the Works
+  // of the calls issued in between, kept until the window closes.
+  void open_window();
+  std::vector<c10::intrusive_ptr<c10d::Work>> close_window();
+
   // Issues the call (`issue` returns its Work), counted once it is issued;
   // `async_op`: the caller's, false where it waits in the call.
   template <typename Issue>
@@ -66,14 +72,14 @@ class CallRecorder {
   }
 
  private:
-  c10::intrusive_ptr<c10d::Work> counted(c10::intrusive_ptr<c10d::Work> work) {
-    ++issued_;
-    return work;
-  }
+  c10::intrusive_ptr<c10d::Work> counted(c10::intrusive_ptr<c10d::Work> work);
   static int64_t numel(const std::vector<at::Tensor>& tensors);
   static at::ScalarType dtype(const CommsCall& call);
 
   std::atomic<uint64_t> issued_{0};
+  std::atomic<bool> window_open_{false};
+  std::mutex window_mutex_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> window_;
   std::vector<int64_t> global_ranks_;
   // As ParamCommsDebugInfo takes the ranks: the first and the stride between
   // them (-1: not evenly spaced, the ranks are then not listed).

@@ -8,6 +8,7 @@
 
 #include "../../transport/shm/shm_executor.h"
 #include "../../transport/stream/host_streams.h"
+#include "../calls/window_work.hpp"
 
 namespace hca {
 
@@ -453,7 +454,7 @@ void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {
-  return launch(c10d::OpType::COALESCED, CallArgs("coalesced", {}), {}, {}, timeout_.load(), true);
+  return c10::make_intrusive<WindowWork>(getRank(), calls_.close_window());
 }
 
 }  // namespace hca
