@@ -125,6 +125,25 @@ def test_check_passes_and_says_so(tmp_path):
     assert sum(line.startswith("ok ") for line in log) == total
 
 
+def test_check_skips_the_pass_through_where_nccl_refuses_the_ranks(monkeypatch, tmp_path):
+    """Several ranks on one GPU (as on a lent GPU machine): stock NCCL refuses them, so check says
+    why it skipped the pass-through instead of failing on NCCL's "invalid usage"."""
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    reason = torch_hca.bench.stock_refusal("nccl", torch.device("cuda", 0), 3)
+    assert reason == "NCCL refuses several ranks on one GPU (3 ranks, 1 GPUs)"
+    assert torch_hca.bench.stock_refusal("nccl", torch.device("cuda", 0), 1) is None
+    report = dict(world_size=3, device="cuda:0", hierarchy="groups [[0, 1, 2]]", places=[], seconds=1.0,
+                  explain="plan", modes={"hierarchical_copy": dict(checks=["barrier"], failures={}, incomplete=False),
+                                         "nccl pass-through": dict(checks=[], failures={}, incomplete=False,
+                                                                   skipped=reason)})
+    text, failed = torch_hca.check.verdict([report], "check.log")
+    assert failed == 0 and f"skipped nccl pass-through: {reason}" in text
+    assert text.splitlines()[-1] == "PASS: 1 of 1 checks right; full log: check.log"
+    torch_hca.check.write_log([report], tmp_path / "check.log")
+    assert f"# skipped nccl pass-through: {reason}" in (tmp_path / "check.log").read_text()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
 @pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX"])
 def test_references_leave_their_inputs_alone(dtype, op):
