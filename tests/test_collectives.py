@@ -205,6 +205,30 @@ def test_coalescing_manager(world, device):
     assert run_ranks(_coalescing_manager, world, device) == [[]] * world
 
 
+def _unclosed_window(rank, world, device):
+    """A coalescing window torch never closes (an exception inside its manager leaves it open):
+    the calls after it still run, and those that finished are not kept alive by the window."""
+    import weakref
+    dev = rank_device(device, rank)
+    group = dist.distributed_c10d._get_default_group()
+    group._start_coalescing(dev)
+    alive, errors = [], []
+    for i in range(200):
+        t = make_input(80 + i, 0, 100, torch.float32, "SUM").to(dev) if rank == 0 else torch.zeros(100, device=dev)
+        dist.broadcast(t, src=0)
+        errors.append(mismatch(f"broadcast {i}", t, make_input(80 + i, 0, 100, torch.float32, "SUM"), world))
+        alive.append(weakref.ref(t))
+        del t
+    kept = sum(r() is not None for r in alive)
+    errors.append(None if kept <= 64 else f"the open window keeps {kept} of 200 finished calls' tensors")
+    group._end_coalescing(dev).wait()
+    return [e for e in errors if e]
+
+
+def test_an_unclosed_coalescing_window_keeps_no_finished_call(device):
+    assert run_ranks(_unclosed_window, 2, device) == [[]] * 2
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_views_empty_async_and_objects(world, device):
     assert run_ranks(_odd_shapes, world, device) == [[]] * world

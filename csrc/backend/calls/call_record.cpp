@@ -1,5 +1,7 @@
 #include "call_record.hpp"
 
+#include <algorithm>
+
 namespace hca {
 
 std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& lists) {
@@ -36,7 +38,16 @@ c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Wo
   ++issued_;
   if (window_open_.load(std::memory_order_relaxed) && work) {
     std::lock_guard<std::mutex> lock(window_mutex_);
-    if (window_open_) window_.push_back(work);
+    if (window_open_) {
+      // A window torch never closes (an exception inside its manager) must not keep every later
+      // call's tensors alive: calls that finished well need no wait, and go once the window is long.
+      if (window_.size() >= kWindowPruneAt) {
+        window_.erase(std::remove_if(window_.begin(), window_.end(),
+                                     [](const auto& w) { return w->isCompleted() && w->isSuccess(); }),
+                      window_.end());
+      }
+      window_.push_back(work);
+    }
   }
   return work;
 }

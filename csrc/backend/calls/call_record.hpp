@@ -77,6 +77,7 @@ class CallRecorder {
   static at::ScalarType dtype(const CommsCall& call);
 
   std::atomic<uint64_t> issued_{0};
+  static constexpr size_t kWindowPruneAt = 64;
   std::atomic<bool> window_open_{false};
   std::mutex window_mutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> window_;
