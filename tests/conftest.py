@@ -33,3 +33,10 @@ def device(request, monkeypatch):
             monkeypatch.setenv(name, value)  # spawned ranks inherit it
         return "cpu"
     return request.param
+
+
+def pytest_runtest_logreport(report):
+    """HCA_TEST_FAILURES_AT_ONCE=1 (a lent GPU session, whose device call may end mid-run): each
+    failure's report is printed as it happens, not in the summary a cut run never reaches."""
+    if report.failed and os.environ.get("HCA_TEST_FAILURES_AT_ONCE") == "1":
+        print(f"\n--- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n---", flush=True)

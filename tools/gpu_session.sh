@@ -26,8 +26,9 @@ LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
 BUDGET=${GPU_SESSION_BUDGET:-540}
-# A hung launch in the tests gives up (its ranks' stacks printed) well before the device call ends.
-export HCA_TEST_DEADLINE_S=${HCA_TEST_DEADLINE_S:-120} PYTHONUNBUFFERED=1
+# A hung launch in the tests gives up (its ranks' stacks printed) well before the device call ends;
+# a failure is printed as it happens, since a run the call cuts never prints its summary.
+export HCA_TEST_DEADLINE_S=${HCA_TEST_DEADLINE_S:-120} PYTHONUNBUFFERED=1 HCA_TEST_FAILURES_AT_ONCE=1
 
 left() { echo $(( BUDGET - ($(date +%s) - started) )); }
 
