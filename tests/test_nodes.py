@@ -94,6 +94,12 @@ def test_reduce_to_one_device_across_named_nodes():
     assert got == [[]] * 4
 
 
+def test_the_coalescing_manager_across_named_nodes():
+    """The window's Work (startCoalescing/endCoalescing) stands for the calls in it."""
+    from test_collectives import _coalescing_manager
+    assert run_ranks(_coalescing_manager, 4, "cpu", env_per_rank=_node_env(LAYOUTS["3+1"])) == [[]] * 4
+
+
 def test_one_named_node_is_todays_group():
     assert run_ranks(node_cases.layout, 3, env=dict(TORCH_HCA_NODE_ID="n")) == [("ProcessGroupHCA", None)] * 3
 

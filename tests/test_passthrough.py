@@ -109,6 +109,13 @@ def test_a_call_after_an_averaging_call_sees_its_result(world):
     assert run_ranks(_after_the_engine, world, pg_options=torch_hca.Options("nccl", num_packs=2)) == [[]] * world
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_the_coalescing_manager_through_the_engine(world):
+    """The window's Work (startCoalescing/endCoalescing) stands for the engine's calls in it."""
+    from test_collectives import _coalescing_manager
+    assert run_ranks(_coalescing_manager, world, "cpu", pg_options=torch_hca.Options("nccl")) == [[]] * world
+
+
 def test_tf_style_argument_check():
     with pytest.raises(ValueError, match="all_reduce_alg"):
         torch_hca.AllReduceCrossDeviceOps(all_reduce_alg="ring")

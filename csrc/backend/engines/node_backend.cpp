@@ -413,10 +413,4 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
                 [&] { return launch(c10d::OpType::BARRIER, args, {}, std::move(body), opts.asyncOp); });
 }
 
-c10::intrusive_ptr<c10d::Work> NodeBackend::endCoalescing() {
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::COALESCED, std::vector<at::Tensor>{}, [] {});
-  queue_.submit(work, false);
-  return work;
-}
-
 }  // namespace hca

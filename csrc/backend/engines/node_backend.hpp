@@ -63,9 +63,6 @@ class NodeBackend : public EngineBackend {
                                                                  const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
-  void startCoalescing() override {}
-  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
-
  protected:
   // The node's group, then the engines among leaders and of the world.
   void end_parts(bool abort) override;

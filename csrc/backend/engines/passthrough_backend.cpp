@@ -168,10 +168,4 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOp
   return issue({"barrier", {}, {}}, opts.asyncOp, [&] { return cpu_engine("barrier").barrier(opts); });
 }
 
-c10::intrusive_ptr<c10d::Work> PassthroughBackend::endCoalescing() {
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::COALESCED, std::vector<at::Tensor>{}, [] {});
-  queue_.submit(work, false);
-  return work;
-}
-
 }  // namespace hca

@@ -49,8 +49,6 @@ class PassthroughBackend : public EngineBackend {
     timeout_ = timeout;
     EngineBackend::setTimeout(timeout);
   }
-  void startCoalescing() override {}
-  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  protected:
   void stop_queue() override { queue_.stop(); }
