@@ -160,3 +160,5 @@ def test_num_packs_is_chosen_per_call_where_the_user_set_none(world, cpus, numel
     # CUDA tensors: one pack of hierarchical copy until a GPU has measured a choice.
     cuda = torch_hca.explain(world, numels=[numel], cpus=cpus, device="cuda")
     assert len(cuda.packs) == 1 and cuda.chosen is None and "chosen per call" not in cuda.text
+    # Its rounds are those of a CUDA staging slot (8 MiB by default), not a shared-memory one.
+    assert f"rounds of a {8 << 20}-byte slot" in cuda.text and f"rounds of a {8 << 20}-byte slot" not in plan.text

@@ -148,7 +148,7 @@ def world_report(args):
                                           "raised" in f for f in failures.values()))
     report["seconds"] = time.perf_counter() - started
     shown = Options.from_env()
-    report["explain"] = str(torch_hca.explain(world, shown.algorithm, shown.num_packs, numels=[1 << 18]))
+    report["explain"] = str(torch_hca.explain(world, shown.algorithm, shown.num_packs, numels=[1 << 18], device=dev.type))
     if rank == 0:
         with open(args.report, "w") as f:
             json.dump(report, f)

@@ -12,7 +12,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _C, costs, topology
-from .options import Options, shm_chunk_bytes
+from .options import Options, cuda_chunk_bytes, shm_chunk_bytes
 
 
 @dataclasses.dataclass
@@ -60,6 +60,10 @@ class NodePlan:
         return self.text
 
 
+def _slot_bytes(device):
+    return cuda_chunk_bytes() if device == "cuda" else shm_chunk_bytes()
+
+
 def explain(
     world_size: Optional[int] = None,
     algorithm: Optional[str] = None,
@@ -83,8 +87,8 @@ def explain(
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
-    rounds that cut the packs to fit a staging slot of `slot_bytes` (default: the shared-memory
-    slot, TORCH_HCA_SHM_CHUNK_BYTES). For algorithm="nccl", the packing alone. With `nodes` (each
+    rounds that cut the packs to fit a staging slot of `slot_bytes` (default: `device`'s slot,
+    TORCH_HCA_SHM_CHUNK_BYTES or TORCH_HCA_CUDA_CHUNK_BYTES). For algorithm="nccl", the packing alone. With `nodes` (each
     rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
     NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
@@ -131,7 +135,7 @@ def explain(
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
-                                             root, shm_chunk_bytes() if slot_bytes is None else slot_bytes)
+                                             root, _slot_bytes(device) if slot_bytes is None else slot_bytes)
         nbytes = 4 * sum(numels)
         predicted = model.predict_us(nbytes, names) if model and collective == "allreduce" else None
         chosen = model.choose(nbytes, names) if predicted else None
