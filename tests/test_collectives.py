@@ -205,6 +205,33 @@ def test_coalescing_manager(world, device):
     assert run_ranks(_coalescing_manager, world, device) == [[]] * world
 
 
+def _window_of_several_calls(rank, world, device):
+    """Calls torch does not batch (broadcast, reduce) issued inside the coalescing manager: the
+    Work that ends the window stands for all of them, its Future for each one's."""
+    dev = rank_device(device, rank)
+    inputs = [make_input(60 + r, r, 1001, torch.float32, "SUM") for r in range(world)]
+    sent = inputs[rank].to(dev, copy=True)
+    reduced = inputs[rank].to(dev, copy=True)
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        dist.broadcast(sent, src=world - 1)
+        dist.reduce(reduced, dst=0)
+    errors = []
+    ended = [x.data_ptr() for w in cm.works for x in w.result()]
+    errors.append(None if ended == [sent.data_ptr(), reduced.data_ptr()] else f"the window's Work holds {ended}")
+    futures = cm.works[0].get_future().wait()
+    errors.append(None if len(futures) == 2 and all(f.done() for f in futures) else f"its Future gave {futures}")
+    cm.wait()
+    errors.append(mismatch("broadcast in the window", sent, inputs[world - 1], world))
+    if rank == 0:
+        errors.append(mismatch("reduce in the window", reduced, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_coalescing_window_of_several_calls(world, device):
+    assert run_ranks(_window_of_several_calls, world, device) == [[]] * world
+
+
 def _unclosed_window(rank, world, device):
     """A coalescing window torch never closes (an exception inside its manager leaves it open):
     the calls after it still run, and those that finished are not kept alive by the window."""
