@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "window_work.hpp"
+
 namespace hca {
 
 std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& lists) {
@@ -23,15 +25,16 @@ void CallRecorder::set_global_ranks(const std::vector<int64_t>& ranks) {
 void CallRecorder::open_window() {
   std::lock_guard<std::mutex> lock(window_mutex_);
   window_.clear();  // a window never closed (an exception in the manager's body) is dropped
+  window_prune_at_ = kWindowPruneAt;
   window_open_ = true;
 }
 
-std::vector<c10::intrusive_ptr<c10d::Work>> CallRecorder::close_window() {
+c10::intrusive_ptr<c10d::Work> CallRecorder::close_window(int rank) {
   std::lock_guard<std::mutex> lock(window_mutex_);
   window_open_ = false;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.swap(window_);
-  return works;
+  return c10::make_intrusive<WindowWork>(rank, std::move(works));
 }
 
 c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Work> work) {
@@ -41,10 +44,11 @@ c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Wo
     if (window_open_) {
       // A window torch never closes (an exception inside its manager) must not keep every later
       // call's tensors alive: calls that finished well need no wait, and go once the window is long.
-      if (window_.size() >= kWindowPruneAt) {
+      if (window_.size() >= window_prune_at_) {
         window_.erase(std::remove_if(window_.begin(), window_.end(),
                                      [](const auto& w) { return w->isCompleted() && w->isSuccess(); }),
                       window_.end());
+        window_prune_at_ = std::max(kWindowPruneAt, 2 * window_.size());
       }
       window_.push_back(work);
     }

@@ -52,9 +52,10 @@ class CallRecorder {
   uint64_t issued() const { return issued_; }
 
   // torch's coalescing manager (startCoalescing, then endCoalescing): the Works
-  // of the calls issued in between, kept until the window closes.
+  // of the calls issued in between, kept until the window closes, which
+  // returns them as one Work (window_work.hpp) of `rank`.
   void open_window();
-  std::vector<c10::intrusive_ptr<c10d::Work>> close_window();
+  c10::intrusive_ptr<c10d::Work> close_window(int rank);
 
   // Issues the call (`issue` returns its Work), counted once it is issued;
   // `async_op`: the caller's, false where it waits in the call.
@@ -79,6 +80,9 @@ class CallRecorder {
   std::atomic<uint64_t> issued_{0};
   static constexpr size_t kWindowPruneAt = 64;
   std::atomic<bool> window_open_{false};
+  // The window's length at which the next call prunes it: doubled when a pruning
+  // leaves it long (calls still running), so that calls do not each scan it.
+  size_t window_prune_at_ = kWindowPruneAt;
   std::mutex window_mutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> window_;
   std::vector<int64_t> global_ranks_;

@@ -6,7 +6,6 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
-#include "../calls/window_work.hpp"
 #include "../group/group_life.hpp"
 
 namespace hca {
@@ -47,7 +46,7 @@ class EngineBackend : public c10d::Backend {
   // The coalescing manager's window, as ProcessGroupHCA's (window_work.hpp).
   void startCoalescing() override { calls_.open_window(); }
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    return c10::make_intrusive<WindowWork>(getRank(), calls_.close_window());
+    return calls_.close_window(getRank());
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;

@@ -8,7 +8,6 @@
 
 #include "../../transport/shm/shm_executor.h"
 #include "../../transport/stream/host_streams.h"
-#include "../calls/window_work.hpp"
 
 namespace hca {
 
@@ -454,7 +453,7 @@ void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::endCoalescing() {
-  return c10::make_intrusive<WindowWork>(getRank(), calls_.close_window());
+  return calls_.close_window(getRank());
 }
 
 }  // namespace hca
