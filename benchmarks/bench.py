@@ -98,7 +98,7 @@ LATENCY_SIZES = [4, 256, 4 << 10, 64 << 10]
 LATENCY_BACKENDS = (("gloo", None), ("hca", 1), ("hca num_packs=2", 2))
 
 
-def time_latency(rank, world, timer_group, device):
+def time_latency(rank, world, timer_group, device, report):
     """Small allreduces, blocking and async + wait(), for gloo, hca (default options) and hca with
     num_packs=2: mean microseconds per call over a batch of back-to-back calls (median of 15
     batches, slowest rank). The two modes' batches alternate, so that both see the same moments of
@@ -120,10 +120,11 @@ def time_latency(rank, world, timer_group, device):
             calls = {mode: calls_per_batch(fn, timer_group, probe=20, least=5) for mode, fn in modes.items()}
             for mode, seconds in alternating_medians(modes, calls, timer_group).items():
                 rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=seconds * 1e6))
+                report(rows[-1])
     return rows
 
 
-def time_choices(rank, world, timer_group, device, sizes):
+def time_choices(rank, world, timer_group, device, sizes, report):
     """all_reduce at every size under hca's defaults and under each fixed setting (backends()),
     their batches alternating (alternating_medians): the sweep times each contender after the
     other, minutes apart, and on a VM whose speed drifts that alone made two identical schedules
@@ -149,6 +150,7 @@ def time_choices(rank, world, timer_group, device, sizes):
         for label, seconds in alternating_medians(modes, calls, timer_group, batches=11).items():
             rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
                              timing="alternating", **({"ran": ran} if label == DEFAULTS else {})))
+            report(rows[-1])
     return rows
 
 
@@ -202,6 +204,14 @@ def print_latency(latency):
         print("| " + " | ".join(line) + " |")
 
 
+def progress_line(row):
+    """One measured row, printed at once: a run cut short (a device call's time limit) still shows
+    what it measured, where the tables come only at the end."""
+    what = row.get("op") or f"allreduce {row['mode']}"
+    print(f"measured: {what} {row['backend']} ranks={row['world_size']} {row['size']} B: {row['time_us']:.1f} us",
+          flush=True)
+
+
 def worker(rank, world, init, sizes, ops, out_path, device, pin):
     import torch_hca  # noqa: F401
 
@@ -212,19 +222,22 @@ def worker(rank, world, init, sizes, ops, out_path, device, pin):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     timer_group = dist.group.WORLD
     rows = []
+    report = progress_line if rank == 0 else lambda row: None
     if "batch" in ops:
         rows += time_batches(rank, world, timer_group)
+        for row in rows:
+            report(row)
         ops = [op for op in ops if op != "batch"]
     if "latency" in ops:
-        rows += time_latency(rank, world, timer_group, device)
+        rows += time_latency(rank, world, timer_group, device, report)
         ops = [op for op in ops if op != "latency"]
     if "choice" in ops:
-        rows += time_choices(rank, world, timer_group, device, sizes)
+        rows += time_choices(rank, world, timer_group, device, sizes, report)
         ops = [op for op in ops if op != "choice"]
     for label, backend, options in backends(world, device):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
-            rows += measure(label, op, group, sizes, torch.float32, dev, timer_group)
+            rows += measure(label, op, group, sizes, torch.float32, dev, timer_group, on_row=report)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)

@@ -83,8 +83,11 @@ def corrupting(call, op_to_corrupt, rank_to_corrupt):
 def bench_with_a_wrong_element(rank, world):
     torch_hca.bench.call = corrupting(torch_hca.bench.call, "all_reduce", 1)
     group = dist.new_group(backend="hca")
+    seen = []  # each row as it is measured: a run cut short still printed those
     rows = torch_hca.bench.measure("hca", "all_reduce", group, [8, 4096], torch.float32, torch.device("cpu"),
-                                   dist.group.WORLD, iters=2, warmup=0)
+                                   dist.group.WORLD, iters=2, warmup=0,
+                                   on_row=lambda row: seen.append((row["size"], len(seen))))
+    assert seen == [(8, 0), (4096, 1)]
     return [r["wrong"] for r in rows]
 
 

@@ -142,8 +142,8 @@ def iterations(nbytes: int) -> int:
 
 
 def measure(label, op, group, sizes, dtype, dev, timer_group, iters=0, warmup=3, check=True, redop="SUM",
-            root=0, progress=None):
-    """nccl-tests' rows for `op` on `group` at every size (bytes)."""
+            root=0, on_row=None):
+    """nccl-tests' rows for `op` on `group` at every size (bytes); `on_row(row)` as each is measured."""
     world, itemsize = group.size(), torch.empty(0, dtype=dtype).element_size()
     rows = []
     for index, nbytes in enumerate(sizes):
@@ -161,8 +161,8 @@ def measure(label, op, group, sizes, dtype, dev, timer_group, iters=0, warmup=3,
         rows.append(dict(backend=label, op=op, world_size=world, size=size, count=count, type=TYPE_NAMES[dtype],
                          redop=redop.lower() if op in REDUCING else "none", root=root if op == "broadcast" else -1,
                          time_us=seconds * 1e6, algbw=algbw, busbw=algbw * bus_factor(op, world), wrong=wrong))
-        if progress is not None:
-            progress.update()
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -259,7 +259,8 @@ def run(args):
             group = dist.new_group(backend=backend, pg_options=options if backend == "hca" else None)
             try:
                 rows += measure(backend, args.op, group, sizes, dtype, dev, timer_group, args.iters,
-                                args.warmup_iters, bool(args.check), REDOP_NAMES[args.redop], args.root, progress)
+                                args.warmup_iters, bool(args.check), REDOP_NAMES[args.redop], args.root,
+                                lambda row: progress.update())
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 if backend == "hca":
                     raise
