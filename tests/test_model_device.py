@@ -470,3 +470,49 @@ def test_a_capturing_stream_is_refused_before_the_device_is_touched(world, warme
     for message, error in run_ranks(_capture_refused_on_model, world, warmed, env=STREAMS_ENV):
         assert "hca: collectives cannot be captured in a CUDA graph yet" in message, message
         assert error is None, error
+
+
+def _barrier_after_unwaited_work(rank, world):
+    """An async all-reduce nobody waits on and, on the last rank, a slow kernel on the caller's
+    stream, then a barrier: when each finished on this rank's device (threads watch them), and
+    when the barrier returned here."""
+    t = torch.full((200_000,), float(rank + 1))
+    work = dist.all_reduce(t, async_op=True)
+    flag, one = torch.zeros(1), torch.ones(1)
+    if rank == world - 1:
+        model.enqueue_copy(flag, one, 300)
+    done = []
+
+    def watch(finished):
+        while not finished():
+            time.sleep(0.001)
+        done.append(time.monotonic())  # the same clock in every process
+
+    watchers = [threading.Thread(target=watch, args=(work.is_completed,))]
+    if rank == world - 1:
+        watchers.append(threading.Thread(target=watch, args=(lambda: flag.item() == 1,)))
+    for w in watchers:
+        w.start()
+    dist.barrier()
+    returned = time.monotonic()
+    for w in watchers:
+        w.join(60)
+    work.wait()
+    return max(done), returned, bool((t == world * (world + 1) / 2).all())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_barrier_returns_once_every_ranks_earlier_device_work_has_finished(world):
+    """ProcessGroupNCCL's barrier is a collective on the device that the host then waits for: when
+    it returns on any rank, every rank's device work issued before it has finished, the group's
+    calls and the caller's stream alike. The last rank's device is slow here (each operation waits
+    100 ms, and a kernel of its own 300 ms), so a barrier that only meets the hosts, or waits for
+    the rank's own device alone, returns on the others while it still works."""
+    envs = [{**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SELF_TEST": "0"} for _ in range(world)]
+    envs[-1]["TORCH_HCA_MODEL_OP_DELAY_MS"] = "100"
+    results = run_ranks(_barrier_after_unwaited_work, world, env_per_rank=envs)
+    last_done = max(done for done, _, _ in results)
+    for rank, (_, returned, right) in enumerate(results):
+        assert right, rank
+        # The watchers poll every millisecond: their times are late by up to that, and a little more.
+        assert returned >= last_done - 0.02, (rank, last_done - returned)

@@ -169,8 +169,7 @@ CallStreams::~CallStreams() {
   for (const auto& [device, stream] : streams_) idle_streams().give_back(runtime_, device, stream);
 }
 
-std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
-  const int index = index_of_(device);
+std::shared_ptr<StreamCall> CallStreams::call_on(int index) {
   const DeviceRuntime::Stream caller = caller_stream_(index);
   DeviceGuard guard(runtime_, index);
   // Refused on the caller's thread, so that the group stays usable.
@@ -184,6 +183,13 @@ std::shared_ptr<StreamCall> CallStreams::call(const at::Device& device) {
     stream = internal;
   }
   return make_(index, stream, caller);
+}
+
+std::vector<int> CallStreams::devices() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<int> used;
+  for (const auto& [index, stream] : streams_) used.push_back(index);
+  return used;
 }
 
 #ifndef HCA_WITH_CUDA
@@ -212,7 +218,8 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType type, Executor& executor,
                                                                  CallArgs args, std::vector<Collective> collectives,
                                                                  std::vector<at::Tensor> outputs, bool async_op,
-                                                                 const char* internal_title) {
+                                                                 const char* internal_title,
+                                                                 std::function<void()> before) {
   // Made first: it refuses a capturing stream before the self-test would put work on it.
   std::shared_ptr<StreamCall> call = call_streams(args.device())->call(args.device());
   try {
@@ -230,7 +237,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     c.issued = call->issued();
     c.keep = kept;
   }
-  auto body = [&executor, call, kept, collectives = std::move(collectives)] {
+  auto body = [&executor, call, kept, collectives = std::move(collectives), before = std::move(before)] {
+    if (before) before();
     // The thread running it (the group's worker) on the call's device: never a context on device 0.
     DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "../../transport/executor.h"
 #include "../../transport/stream/device_runtime.h"
@@ -111,7 +112,11 @@ class CallStreams {
   // A call on `device` (from the caller's thread: it marks the caller's
   // stream). A caller's stream that is capturing a graph is refused first,
   // before anything is created or recorded on the device.
-  std::shared_ptr<StreamCall> call(const at::Device& device);
+  std::shared_ptr<StreamCall> call(const at::Device& device) { return call_on(index_of_(device)); }
+  // The same, by the runtime's device index.
+  std::shared_ptr<StreamCall> call_on(int device);
+  // The runtime's indices of the devices this group has issued calls on.
+  std::vector<int> devices();
 
  private:
   DeviceRuntime& runtime_;

@@ -242,7 +242,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
                                                        std::vector<Collective> collectives,
                                                        std::vector<at::Tensor> outputs,
                                                        std::chrono::milliseconds timeout, bool async_op,
-                                                       const char* internal_title) {
+                                                       const char* internal_title, std::function<void()> before) {
   const auto call = life_.enter(args.name());  // held while this thread uses the group's parts
   Executor& executor = executor_for(args.device(), args.name());
   for (auto& c : collectives) {
@@ -251,9 +251,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
   }
   if (call_streams(args.device())) {
     return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op,
-                            internal_title);
+                            internal_title, std::move(before));
   }
-  auto body = [&executor, collectives = std::move(collectives), args = std::move(args)] {
+  auto body = [&executor, collectives = std::move(collectives), args = std::move(args), before = std::move(before)] {
+    if (before) before();
     args.premultiply();
     for (const auto& c : collectives) {
       try {
@@ -427,14 +428,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
   });
 }
 
+// As ProcessGroupNCCL's barrier (a collective on the device that the host then waits for): once it
+// returns on any rank, every rank's device work issued before it has finished. Each rank first waits
+// for its own device work, then the hosts meet.
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptions& opts) {
   CallArgs args("barrier", {});
   std::vector<Collective> cs;
   cs.push_back(collective({}, {}, ReduceOp::Sum, "barrier", ""));
   return calls_(*this, {"barrier", {}, {}}, opts.asyncOp, [&] {
     return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
-                  opts.asyncOp);
+                  opts.asyncOp, nullptr, drain_devices());
   });
+}
+
+std::function<void()> ProcessGroupHCA::drain_devices() {
+  std::vector<std::function<void()>> drains;
+  auto drain = [&drains](CallStreams* streams) {
+    if (!streams) return;
+    // An empty call per device: its end is after the caller's stream and the group's calls there.
+    for (int device : streams->devices()) drains.push_back(issued_and_waited(streams->call_on(device), nullptr, [] {}));
+  };
+  drain(cpu_call_streams_.get());
+  {
+    std::lock_guard<std::mutex> lock(cuda_executor_mutex_);
+    drain(cuda_call_streams_.get());
+  }
+  if (drains.empty()) return nullptr;
+  return [drains = std::move(drains)] {
+    for (const auto& d : drains) d();
+  };
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

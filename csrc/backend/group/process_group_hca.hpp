@@ -178,15 +178,22 @@ class ProcessGroupHCA : public c10d::Backend {
   // Queues `collectives` (which address args' dense tensors) as one Work.
   // `internal_title`: one of hca's own calls (the self-test, a count exchange),
   // named so in the profiler (static text) and not numbered among the user's.
+  // `before`: what the Work runs first, on the group's worker (the barrier's drains).
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, CallArgs args, std::vector<Collective> collectives,
                                         std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
-                                        bool async_op, const char* internal_title = nullptr);
+                                        bool async_op, const char* internal_title = nullptr,
+                                        std::function<void()> before = nullptr);
   // launch() for a stream executor (CUDA tensors; CPU tensors on the model of
   // the device): stream semantics of ProcessGroupNCCL (stream_call.cpp).
   c10::intrusive_ptr<c10d::Work> launch_on_stream(c10d::OpType type, Executor& executor, CallArgs args,
                                                   std::vector<Collective> collectives,
                                                   std::vector<at::Tensor> outputs, bool async_op,
-                                                  const char* internal_title);
+                                                  const char* internal_title, std::function<void()> before);
+  // On the caller's thread, for a barrier: a Work step that returns once this
+  // rank's device work issued before the barrier has finished, on every device
+  // the group has issued calls on (its calls there, and the caller's current
+  // stream); null without such a device.
+  std::function<void()> drain_devices();
   // At the group's first call on a stream transport for `device`'s tensors:
   // each algorithm's all-reduce and broadcast checked on every rank
   // (self_test.cpp); DistBackendError on a wrong result, on every rank.
