@@ -66,6 +66,45 @@ def test_async_collectives_follow_the_callers_stream(world):
     assert run_ranks(_busy_stream_async, world) == [[]] * world
 
 
+def _barrier_after_a_long_kernel(rank, world):
+    """The last rank's current stream runs a long kernel when the barrier is called: no rank's
+    barrier may return before it has finished (a thread watches an event recorded after it)."""
+    import threading
+
+    dev = rank_device("cuda", rank)
+    t = torch.ones(1 << 20, device=dev)
+    dist.all_reduce(t)  # the group's first CUDA call: the device the barrier drains
+    torch.cuda.synchronize(dev)
+    finished = torch.cuda.Event()
+    done = []
+    if rank == world - 1:
+        torch.cuda._sleep(int(5e8))  # a few hundred ms of spinning on the caller's stream
+        finished.record()
+
+        def watch():
+            while not finished.query():
+                time.sleep(0.001)
+            done.append(time.monotonic())  # the same clock in every process
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+    dist.barrier()
+    returned = time.monotonic()
+    if rank == world - 1:
+        watcher.join(60)
+    return (done[0] if done else 0.0), returned
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_barrier_waits_for_every_ranks_device_work(world):
+    """As ProcessGroupNCCL's (the CPU model's version: test_model_device.py)."""
+    results = run_ranks(_barrier_after_a_long_kernel, world)
+    kernel_done = results[-1][0]
+    for rank, (_, returned) in enumerate(results):
+        assert returned >= kernel_done - 0.02, (rank, kernel_done - returned)
+
+
 def _capture_refused(rank, world):
     """A collective inside CUDA graph capture raises on the caller's thread; the group still works."""
     dev = rank_device("cuda", rank)
