@@ -117,7 +117,7 @@ def time_latency(rank, world, timer_group, device, report):
             t = torch.zeros(max(1, nbytes // 4), device=dev)
             modes = {"blocking": synchronized(lambda: dist.all_reduce(t, group=group), dev),
                      "async": synchronized(lambda: dist.all_reduce(t, group=group, async_op=True).wait(), dev)}
-            calls = {mode: calls_per_batch(fn, timer_group, probe=20, least=5) for mode, fn in modes.items()}
+            calls = calls_per_batch(modes, timer_group, probe=20, least=5)
             for mode, seconds in alternating_medians(modes, calls, timer_group).items():
                 rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=seconds * 1e6))
                 report(rows[-1])
@@ -143,13 +143,16 @@ def time_choices(rank, world, timer_group, device, sizes, report):
         modes = {label: synchronized(lambda g=g: dist.all_reduce(t, group=g), dev) for label, g in groups.items()}
         for fn in modes.values():
             fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
-        calls = {label: calls_per_batch(fn, timer_group, probe=3, least=1) for label, fn in modes.items()}
+        calls = calls_per_batch(modes, timer_group, probe=3, least=1)
         # What the defaults ran at this size, as the fixed setting's label (CPU: chosen per call).
         chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
         ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
-        for label, seconds in alternating_medians(modes, calls, timer_group, batches=11).items():
+        samples = alternating_samples(modes, calls, timer_group, batches=16)
+        halves = split_halves(samples, timer_group)
+        for label, seconds in slowest_medians(samples, timer_group).items():
             rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
-                             timing="alternating", **({"ran": ran} if label == DEFAULTS else {})))
+                             halves_us=[h * 1e6 for h in halves[label]], timing="alternating",
+                             **({"ran": ran} if label == DEFAULTS else {})))
             report(rows[-1])
     return rows
 
@@ -160,18 +163,24 @@ def fixed_label(candidate, world):
     return f"{algorithm}(num_packs={world})" if per_rank else algorithm
 
 
-def calls_per_batch(fn, timer_group, probe, least):
-    """How many calls of `fn` make a batch of about 5 ms (from `least` to 200), timed over `probe`
-    calls; the slowest rank's estimate, so that every rank makes the same count."""
-    estimate = torch.tensor([_timed(lambda: [fn() for _ in range(probe)]) / probe], dtype=torch.float64)
-    dist.all_reduce(estimate, op=dist.ReduceOp.MAX, group=timer_group)
-    return int(min(200, max(least, 5e-3 / estimate.item())))
+def calls_per_batch(modes, timer_group, probe, least):
+    """How many back-to-back calls make a batch of about 5 ms (from `least` to 200), one count for
+    every mode (name -> function): the median of the modes' estimates, each timed over `probe`
+    calls, the slowest rank's. A batch's first call absorbs how far apart the ranks left the
+    barrier before it, so a mode given fewer calls pays more of that per call: with a count of its
+    own, the first mode probed at the first size (its probe cold) got a third of the others' count
+    and looked 3-5 us slower at 3 ranks."""
+    estimates = torch.tensor([_timed(lambda: [fn() for _ in range(probe)]) / probe for fn in modes.values()],
+                             dtype=torch.float64)
+    dist.all_reduce(estimates, op=dist.ReduceOp.MAX, group=timer_group)
+    count = int(min(200, max(least, 5e-3 / statistics.median(estimates.tolist()))))
+    return dict.fromkeys(modes, count)
 
 
-def alternating_medians(modes, calls, timer_group, batches=15):
-    """Seconds per call of each mode (name -> function): the median of `batches` batches of
-    calls[mode] back-to-back calls, slowest rank. The modes' batches alternate, in order and then
-    in reverse, so that all see the same moments of a machine whose speed drifts."""
+def alternating_samples(modes, calls, timer_group, batches):
+    """Seconds per call of each mode (name -> function) in each of `batches` batches of calls[mode]
+    back-to-back calls, this rank's. The modes' batches alternate, in order and then in reverse, so
+    that all see the same moments of a machine whose speed drifts."""
     samples = {mode: [] for mode in modes}
     for batch in range(batches):
         for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
@@ -180,9 +189,31 @@ def alternating_medians(modes, calls, timer_group, batches=15):
             for _ in range(calls[mode]):
                 modes[mode]()
             samples[mode].append((time.perf_counter() - start) / calls[mode])
-    medians = torch.tensor([statistics.median(samples[mode]) for mode in modes], dtype=torch.float64)
+    return samples
+
+
+def slowest_medians(samples, timer_group):
+    """Each mode's median seconds per call over its batches, the slowest rank's."""
+    medians = torch.tensor([statistics.median(samples[mode]) for mode in samples], dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=timer_group)
-    return dict(zip(modes, medians.tolist()))
+    return dict(zip(samples, medians.tolist()))
+
+
+def alternating_medians(modes, calls, timer_group, batches=15):
+    """Seconds per call of each mode: the median of its alternating batches, slowest rank."""
+    return slowest_medians(alternating_samples(modes, calls, timer_group, batches), timer_group)
+
+
+def split_halves(samples, timer_group):
+    """Each mode's median seconds per call over two disjoint halves of its batches (the slowest
+    rank's time in each batch): batches 0, 1, 4, 5, ... and 2, 3, 6, 7, ..., so that each half holds
+    both orders of the alternation."""
+    per_batch = torch.tensor([samples[mode] for mode in samples], dtype=torch.float64)
+    dist.all_reduce(per_batch, op=dist.ReduceOp.MAX, group=timer_group)
+    halves = {}
+    for mode, row in zip(samples, per_batch.tolist()):
+        halves[mode] = [statistics.median(t for b, t in enumerate(row) if b % 4 // 2 == half) for half in (0, 1)]
+    return halves
 
 
 def print_latency(latency):
@@ -285,8 +316,11 @@ DEFAULTS_AGAIN = "hca (the defaults again, another group)"
 
 def defaults_vs_best(rows):
     """Per (op, ranks, size): hca's defaults beside the fastest fixed hca setting, and their ratio;
-    with the defaults timed twice (--ops choice), also the ratio of the two (the noise: the fastest
-    of several settings is the luckiest of several draws, so some ratio above 1 is noise alone)."""
+    with the defaults timed twice (--ops choice), also the ratio of the two (the noise). The fastest
+    of several settings is the luckiest of several draws, so where they take the same time the
+    ratio is above 1 by noise alone; with each time split in two halves of its batches (--ops
+    choice), `held_out` picks the fastest on one half and compares on the other (both ways, the
+    mean), which that bias does not touch."""
     out = []
     for key in dict.fromkeys((r["op"], r["world_size"], r["size"]) for r in rows):
         here = [r for r in rows if (r["op"], r["world_size"], r["size"]) == key]
@@ -299,25 +333,43 @@ def defaults_vs_best(rows):
                             best_fixed=best["backend"], best_fixed_us=best["time_us"],
                             ratio=default["time_us"] / best["time_us"], ran=default.get("ran"),
                             noise=max(default["time_us"], again["time_us"]) / min(default["time_us"], again["time_us"])
-                            if again else None))
+                            if again else None, held_out=held_out_ratio(default, fixed)))
     return out
+
+
+def held_out_ratio(default, fixed):
+    """The defaults' time over the fastest fixed setting's, that setting picked on one half of the
+    batches and both timed on the other; the mean of the two ways round. None without halves."""
+    if "halves_us" not in default or any("halves_us" not in r for r in fixed):
+        return None
+    ratios = []
+    for pick, judge in ((0, 1), (1, 0)):
+        best = min(fixed, key=lambda r: r["halves_us"][pick])
+        ratios.append(default["halves_us"][judge] / best["halves_us"][judge])
+    return statistics.mean(ratios)
 
 
 def print_defaults_vs_best(table):
     if not table:
         return
-    print("\n# hca's defaults beside its fastest fixed setting (ratio > 1: the defaults are slower; noise: the\n"
-          "# defaults against themselves in another group, slower / faster)")
-    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | its time (us) | ratio | noise |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n# hca's defaults beside its fastest fixed setting (ratio > 1: the defaults are slower; held out: the\n"
+          "# fastest picked on half the batches, both timed on the other half; noise: the defaults against\n"
+          "# themselves in another group, slower / faster)")
+    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | its time (us) | ratio | held out | noise |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         noise = f"{t['noise']:.2f}" if t["noise"] else ""
+        held_out = f"{t['held_out']:.2f}" if t.get("held_out") else ""
         print(f"| {t['op']} | {t['world_size']} | {t['size']} | {t['default_us']:.1f} | {(t['ran'] or '')[4:]} | "
-              f"{t['best_fixed'][4:]} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {noise} |")
+              f"{t['best_fixed'][4:]} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {held_out} | {noise} |")
     behind = [t for t in table if t["ratio"] > 1.05]
     same = [t for t in behind if t["ran"] == t["best_fixed"]]
     print(f"\nthe defaults within 1.05x of the fastest fixed setting at {len(table) - len(behind)} of {len(table)} "
           f"sizes; of the {len(behind)} others, {len(same)} ran that very setting (the gap is noise)")
+    judged = [t for t in table if t.get("held_out")]
+    if judged:
+        print(f"held out (the fastest picked on other batches than it is timed on): within 1.05x at "
+              f"{sum(t['held_out'] <= 1.05 for t in judged)} of {len(judged)} sizes")
 
 
 def print_speedups(speedups):
