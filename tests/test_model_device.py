@@ -516,3 +516,30 @@ def test_a_barrier_returns_once_every_ranks_earlier_device_work_has_finished(wor
         assert right, rank
         # The watchers poll every millisecond: their times are late by up to that, and a little more.
         assert returned >= last_done - 0.02, (rank, last_done - returned)
+
+
+def _barrier_beside_a_stuck_kernel(rank, world):
+    """The last rank's caller stream runs a kernel far longer than the group's timeout: its barrier
+    raises once the timeout has passed, naming its device work, and the others' barriers raise too."""
+    dist.all_reduce(torch.ones(8))  # the group has used the device: its barrier drains it first
+    if rank == world - 1:
+        flag, one = torch.zeros(1), torch.ones(1)
+        model.enqueue_copy(flag, one, 6000)
+    start = time.monotonic()
+    try:
+        dist.barrier()
+        raised = None
+    except dist.DistBackendError as e:
+        raised = str(e)
+    return raised, time.monotonic() - start
+
+
+def test_a_barrier_gives_up_on_device_work_that_outlasts_the_timeout():
+    envs = [{**STREAMS_ENV, "TORCH_HCA_SELF_TEST": "0"} for _ in range(3)]
+    results = run_ranks(_barrier_beside_a_stuck_kernel, 3, env_per_rank=envs, pg_timeout_s=1.5)
+    raised, seconds = results[-1]
+    assert raised and "this rank's device work issued before the barrier" in raised, raised
+    assert "did not finish within 1500 ms" in raised, raised
+    for rank, (raised, seconds) in enumerate(results):
+        assert raised, rank
+        assert seconds < 5, (rank, seconds)  # not the kernel's 6 s

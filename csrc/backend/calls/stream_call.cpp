@@ -2,9 +2,12 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "../../transport/control/wait.h"
 #include "../group/owning_process.hpp"
 #include "../group/process_group_hca.hpp"
 
@@ -212,6 +215,28 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
     call->end();
     call->wait_for_end();
     call->issued()->settle();
+  };
+}
+
+std::function<void()> drained(std::vector<std::shared_ptr<StreamCall>> calls, std::chrono::milliseconds timeout) {
+  return [calls = std::move(calls), timeout] {
+    const auto deadline = deadline_after(timeout);
+    for (const auto& call : calls) {
+      DeviceGuard guard(call->runtime(), call->device_index());
+      call->begin();
+      call->end();
+      // Polled, not synchronized: a device that never gets there must not hold the barrier for ever.
+      for (auto pause = std::chrono::microseconds(20); !call->passed_end();
+           pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
+        if (Clock::now() >= deadline) {
+          C10_THROW_ERROR(DistBackendError, "hca barrier: this rank's device work issued before the barrier (on device " +
+                                                std::to_string(call->device_index()) + ") did not finish within " +
+                                                std::to_string(timeout.count()) + " ms");
+        }
+        std::this_thread::sleep_for(pause);
+      }
+      call->issued()->settle();
+    }
   };
 }
 

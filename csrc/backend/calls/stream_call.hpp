@@ -6,6 +6,7 @@
 // the device runs the very code a GPU would; CUDA (cuda/cuda_call) and the
 // model (model_call) add only how torch sees streams and futures.
 #pragma once
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -137,5 +138,11 @@ std::unique_ptr<CallStreams> make_cuda_call_streams();
 // so that `kept` lives as long as the stream reads it, and settles the call.
 std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::shared_ptr<const CallTensors> kept,
                                         std::function<void()> body);
+
+// A Work step for a barrier: an empty call on each of `calls` (made on the
+// caller's thread), returning once every stream has passed its call, that is the
+// caller's stream and the group's earlier calls there; DistBackendError if that
+// takes longer than `timeout` (a device still busy, or stuck).
+std::function<void()> drained(std::vector<std::shared_ptr<StreamCall>> calls, std::chrono::milliseconds timeout);
 
 }  // namespace hca

@@ -436,27 +436,27 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
   std::vector<Collective> cs;
   cs.push_back(collective({}, {}, ReduceOp::Sum, "barrier", ""));
   return calls_(*this, {"barrier", {}, {}}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout_or_default(opts.timeout),
-                  opts.asyncOp, nullptr, drain_devices());
+    const auto timeout = timeout_or_default(opts.timeout);
+    return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout, opts.asyncOp, nullptr,
+                  drain_devices(timeout));
   });
 }
 
-std::function<void()> ProcessGroupHCA::drain_devices() {
-  std::vector<std::function<void()>> drains;
-  auto drain = [&drains](CallStreams* streams) {
-    if (!streams) return;
-    // An empty call per device: its end is after the caller's stream and the group's calls there.
-    for (int device : streams->devices()) drains.push_back(issued_and_waited(streams->call_on(device), nullptr, [] {}));
+std::function<void()> ProcessGroupHCA::drain_devices(std::chrono::milliseconds timeout) {
+  const auto call = life_.try_enter();  // the streams go when the group ends (launch() then says so)
+  if (!call) return nullptr;
+  std::vector<std::shared_ptr<StreamCall>> calls;
+  auto each_device = [&calls](CallStreams* streams) {
+    if (streams) {
+      for (int device : streams->devices()) calls.push_back(streams->call_on(device));
+    }
   };
-  drain(cpu_call_streams_.get());
+  each_device(cpu_call_streams_.get());
   {
     std::lock_guard<std::mutex> lock(cuda_executor_mutex_);
-    drain(cuda_call_streams_.get());
+    each_device(cuda_call_streams_.get());
   }
-  if (drains.empty()) return nullptr;
-  return [drains = std::move(drains)] {
-    for (const auto& d : drains) d();
-  };
+  return calls.empty() ? nullptr : drained(std::move(calls), timeout);
 }
 
 void ProcessGroupHCA::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

@@ -192,8 +192,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // On the caller's thread, for a barrier: a Work step that returns once this
   // rank's device work issued before the barrier has finished, on every device
   // the group has issued calls on (its calls there, and the caller's current
-  // stream); null without such a device.
-  std::function<void()> drain_devices();
+  // stream), or raises after `timeout`; null without such a device.
+  std::function<void()> drain_devices(std::chrono::milliseconds timeout);
   // At the group's first call on a stream transport for `device`'s tensors:
   // each algorithm's all-reduce and broadcast checked on every rank
   // (self_test.cpp); DistBackendError on a wrong result, on every rank.
