@@ -543,3 +543,27 @@ def test_a_barrier_gives_up_on_device_work_that_outlasts_the_timeout():
     for rank, (raised, seconds) in enumerate(results):
         assert raised, rank
         assert seconds < 5, (rank, seconds)  # not the kernel's 6 s
+
+
+def _barrier_after_a_faulted_call(rank, world):
+    """Rank 1's device faults inside an async all-reduce nobody waits on; then a barrier."""
+    t = torch.ones(300_000)
+    dist.all_reduce(t, async_op=True)
+    try:
+        dist.barrier()
+        return None
+    except Exception as e:  # noqa: BLE001 - the type is what the test checks
+        return type(e).__name__, str(e)
+
+
+def test_a_barrier_after_a_device_fault_raises_it_as_a_backend_error():
+    """The barrier's wait for the device sees the fault and raises it as DistBackendError on the
+    faulted rank; the other rank's barrier raises too (its peer failed), within the timeout."""
+    small = {**STREAMS_ENV, "TORCH_HCA_SHM_CHUNK_BYTES": "65536", "TORCH_HCA_SELF_TEST": "0"}
+    results = run_ranks(_barrier_after_a_faulted_call, 2, env_per_rank=[small, {**small, "TORCH_HCA_MODEL_FAULT_AT": "3"}],
+                        pg_timeout_s=30)
+    for rank, raised in enumerate(results):
+        assert raised is not None, rank
+        kind, message = raised
+        assert kind == "DistBackendError", (rank, kind, message)
+    assert "TORCH_HCA_MODEL_FAULT_AT" in results[1][1] or "fault" in results[1][1].lower(), results[1][1]

@@ -226,7 +226,8 @@ std::function<void()> drained(std::vector<std::shared_ptr<StreamCall>> calls, st
       call->begin();
       call->end();
       // Polled, not synchronized: a device that never gets there must not hold the barrier for ever.
-      for (auto pause = std::chrono::microseconds(20); !call->passed_end();
+      // query() is true on a fault too, which wait_for_end() then raises as DistBackendError.
+      for (auto pause = std::chrono::microseconds(20); !call->query();
            pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
         if (Clock::now() >= deadline) {
           C10_THROW_ERROR(DistBackendError, "hca barrier: this rank's device work issued before the barrier (on device " +
@@ -235,6 +236,7 @@ std::function<void()> drained(std::vector<std::shared_ptr<StreamCall>> calls, st
         }
         std::this_thread::sleep_for(pause);
       }
+      call->wait_for_end();
       call->issued()->settle();
     }
   };
