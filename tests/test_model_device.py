@@ -313,13 +313,18 @@ def _faulted_call(rank, world):
     while not work.is_completed() and time.monotonic() < deadline:
         time.sleep(0.01)
     completed = work.is_completed()
+    return (completed, *_raised_and_seconds(work.wait))
+
+
+def _raised_and_seconds(fn):
+    """The message of the DistBackendError fn() raised (None if it returned), and how long it took."""
     start = time.monotonic()
     try:
-        work.wait()
+        fn()
         raised = None
     except dist.DistBackendError as e:
         raised = str(e)
-    return completed, raised, time.monotonic() - start
+    return raised, time.monotonic() - start
 
 
 def test_a_call_on_a_faulted_device_completes_and_wait_raises_the_fault():
@@ -525,13 +530,7 @@ def _barrier_beside_a_stuck_kernel(rank, world):
     if rank == world - 1:
         flag, one = torch.zeros(1), torch.ones(1)
         model.enqueue_copy(flag, one, 6000)
-    start = time.monotonic()
-    try:
-        dist.barrier()
-        raised = None
-    except dist.DistBackendError as e:
-        raised = str(e)
-    return raised, time.monotonic() - start
+    return _raised_and_seconds(dist.barrier)
 
 
 def test_a_barrier_gives_up_on_device_work_that_outlasts_the_timeout():
