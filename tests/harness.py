@@ -117,3 +117,26 @@ def raises(fn, exc_type):
     except Exception as e:  # noqa: BLE001
         return f"UNEXPECTED {type(e).__name__}: {e}"
     return "UNEXPECTED: no exception"
+
+
+def watch_until(finished):
+    """Starts a thread that polls `finished()` every millisecond; join(timeout) on what it returns
+    gives the time.monotonic() at which it first held (the same clock in every process: a rank's
+    moment can be compared with another's), late by up to the poll, or None if it has not."""
+    import threading
+
+    seen = []
+
+    def watch():
+        while not finished():
+            time.sleep(0.001)
+        seen.append(time.monotonic())
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def join(timeout):
+        thread.join(timeout)
+        return seen[0] if seen else None
+
+    return join

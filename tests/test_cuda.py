@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import raises, run_ranks
+from harness import raises, run_ranks, watch_until
 from torch_hca.options import cuda_chunk_bytes
 from reference import make_input, mismatch, rank_device, reduce_reference
 
@@ -69,30 +69,19 @@ def test_async_collectives_follow_the_callers_stream(world):
 def _barrier_after_a_long_kernel(rank, world):
     """The last rank's current stream runs a long kernel when the barrier is called: no rank's
     barrier may return before it has finished (a thread watches an event recorded after it)."""
-    import threading
-
     dev = rank_device("cuda", rank)
     t = torch.ones(1 << 20, device=dev)
     dist.all_reduce(t)  # the group's first CUDA call: the device the barrier drains
     torch.cuda.synchronize(dev)
-    finished = torch.cuda.Event()
-    done = []
+    join = None
     if rank == world - 1:
         torch.cuda._sleep(int(5e8))  # a few hundred ms of spinning on the caller's stream
+        finished = torch.cuda.Event()
         finished.record()
-
-        def watch():
-            while not finished.query():
-                time.sleep(0.001)
-            done.append(time.monotonic())  # the same clock in every process
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
+        join = watch_until(finished.query)
     dist.barrier()
     returned = time.monotonic()
-    if rank == world - 1:
-        watcher.join(60)
-    return (done[0] if done else 0.0), returned
+    return (join(60) if join else 0.0), returned
 
 
 @needs_cuda

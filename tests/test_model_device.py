@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks, watch_until
 from reference import make_input, mismatch, reduce_reference
 from test_in_flight import _ddp, _fsdp2
 
@@ -486,24 +486,14 @@ def _barrier_after_unwaited_work(rank, world):
     flag, one = torch.zeros(1), torch.ones(1)
     if rank == world - 1:
         model.enqueue_copy(flag, one, 300)
-    done = []
-
-    def watch(finished):
-        while not finished():
-            time.sleep(0.001)
-        done.append(time.monotonic())  # the same clock in every process
-
-    watchers = [threading.Thread(target=watch, args=(work.is_completed,))]
+    watchers = [watch_until(work.is_completed)]
     if rank == world - 1:
-        watchers.append(threading.Thread(target=watch, args=(lambda: flag.item() == 1,)))
-    for w in watchers:
-        w.start()
+        watchers.append(watch_until(lambda: flag.item() == 1))
     dist.barrier()
     returned = time.monotonic()
-    for w in watchers:
-        w.join(60)
+    done = max(join(60) for join in watchers)
     work.wait()
-    return max(done), returned, bool((t == world * (world + 1) / 2).all())
+    return done, returned, bool((t == world * (world + 1) / 2).all())
 
 
 @pytest.mark.parametrize("world", [2, 3])
