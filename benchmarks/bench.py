@@ -126,7 +126,7 @@ def time_latency(rank, world, timer_group, device, report):
 
 def time_choices(rank, world, timer_group, device, sizes, report):
     """all_reduce at every size under hca's defaults and under each fixed setting (backends()),
-    their batches alternating (alternating_medians): the sweep times each contender after the
+    their batches alternating (alternating_samples): the sweep times each contender after the
     other, minutes apart, and on a VM whose speed drifts that alone made two identical schedules
     differ 1.4x. This is what the defaults-vs-best table compares; a second group with the
     defaults gives its noise column."""
