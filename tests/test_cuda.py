@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import raises, run_ranks, watch_until
-from torch_hca.options import cuda_chunk_bytes
 from reference import make_input, mismatch, rank_device, reduce_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -159,11 +158,34 @@ def test_different_cuda_staging_fails_at_the_first_collective():
     # The IPC staging is set up at the first CUDA collective (the self-test's, which runs first):
     # both ranks raise there, naming the user's call and the variables, and the group is unusable
     # afterwards (no hang, no collective on mismatched slots).
-    envs = [{}, {"TORCH_HCA_CUDA_CHUNK_BYTES": str(cuda_chunk_bytes({}) // 2)}]
+    envs = [{"TORCH_HCA_CUDA_CHUNK_BYTES": str(8 << 20)}, {"TORCH_HCA_CUDA_CHUNK_BYTES": str(4 << 20)}]
     for first, after in run_ranks(_first_collective_errors, 2, env_per_rank=envs, pg_timeout_s=30):
         assert "allreduce, the group's first collective on cuda tensors, failed in the self-test" in first, first
         assert "TORCH_HCA_CUDA_CHUNK_BYTES / TORCH_HCA_CUDA_SLOTS" in first, first
         assert "unusable" in after, after
+
+
+def _on_gpu_0_unset_slot(rank, world):
+    """Every rank on cuda:0 with TORCH_HCA_CUDA_CHUNK_BYTES unset: the staging it chose, the rounds
+    explain shows, and an all-reduce of two 64 MiB slots and a tail checked element by element."""
+    inputs = [make_input(11, r, (32 << 20) + 5, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].to("cuda:0")
+    dist.all_reduce(t)
+    wrong = mismatch("all-reduce", t.cpu(), reduce_reference(inputs, "SUM"), world)
+    staging = torch_hca.hierarchy()["staging"]["cuda"]
+    rounds = torch_hca.explain(group=dist.group.WORLD, device="cuda", numels=[(32 << 20) + 5]).rounds
+    return wrong, staging, len(rounds)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_sharing_one_gpu_stage_in_64_mib_slots(world):
+    """Each round costs a switch between the processes sharing a GPU (about 1 ms on an H200,
+    docs/cuda.md), so there the unset slot is 64 MiB: a 128 MiB all-reduce runs in 3 rounds."""
+    for wrong, staging, rounds in run_ranks(_on_gpu_0_unset_slot, world, env={"TORCH_HCA_CUDA_CHUNK_BYTES": ""}):
+        assert not wrong, wrong
+        assert staging.endswith(f"; 4 slots of {64 << 20} bytes per rank"), staging
+        assert rounds == 3, rounds
 
 
 def _nccl_async_on_a_side_stream(rank, world):

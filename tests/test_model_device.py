@@ -21,6 +21,7 @@ from test_in_flight import _ddp, _fsdp2
 
 import torch_hca
 from torch_hca import _C
+from torch_hca.options import shm_chunk_bytes, shm_slots
 
 model = _C._model
 
@@ -140,6 +141,7 @@ def test_the_staging_follows_what_each_rank_sees(world, launch, staged, tmp_path
     for rank, (wrong, before, after, line, contexts) in enumerate(
             run_ranks(_staged_where, world, env_per_rank=_launch(launch, world, str(tmp_path)))):
         assert wrong == [] and before is None and after.startswith(staged), (rank, wrong, before, after)
+        assert after.endswith(f"; {shm_slots()} slots of {shm_chunk_bytes()} bytes per rank"), after
         assert line == f"staging of cpu tensors: {after}", line
         assert len(contexts) == 1, contexts
 

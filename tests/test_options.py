@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch_hca
 from harness import RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
-from torch_hca.options import Options, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
+from torch_hca.options import Options, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 
 
 def test_defaults_and_env():
@@ -91,6 +91,28 @@ def test_cuda_staging_env():
     for bad in ("ipc", "HOST", "1"):
         with pytest.raises(ValueError, match="TORCH_HCA_CUDA_STAGING=.*expected 'auto' .* or 'host'"):
             cuda_staging({"TORCH_HCA_CUDA_STAGING": bad})
+
+
+def test_cuda_chunk_bytes_env():
+    """Unset (or blank), 0: the group chooses the slot at its first CUDA collective."""
+    assert cuda_chunk_bytes({}) == 0 and cuda_chunk_bytes({"TORCH_HCA_CUDA_CHUNK_BYTES": " "}) == 0
+    assert cuda_chunk_bytes({"TORCH_HCA_CUDA_CHUNK_BYTES": "65536"}) == 65536
+    with pytest.raises(ValueError, match="TORCH_HCA_CUDA_CHUNK_BYTES='0': must be between 4096"):
+        cuda_chunk_bytes({"TORCH_HCA_CUDA_CHUNK_BYTES": "0"})
+    with pytest.raises(ValueError, match="TORCH_HCA_CUDA_CHUNK_BYTES='8M': expected an int"):
+        cuda_chunk_bytes({"TORCH_HCA_CUDA_CHUNK_BYTES": "8M"})
+
+
+@pytest.mark.parametrize("asked,devices,slot", [
+    (0, ["GPU-a", "GPU-a"], 64 << 20), (0, ["GPU-a"] * 4, 64 << 20),
+    (0, ["GPU-a", "GPU-b"], 8 << 20), (0, ["GPU-a", "GPU-a", "GPU-b"], 8 << 20),
+    (0, ["GPU-a"], 8 << 20), (0, [], 8 << 20),
+    (65536, ["GPU-a", "GPU-a"], 65536), (65536, ["GPU-a", "GPU-b"], 65536)])
+def test_the_cuda_slot_is_larger_where_every_rank_shares_one_gpu(asked, devices, slot):
+    """Where two or more ranks all report one GPU, each round costs a switch between their
+    processes (about 1 ms on an H200), so the unset slot is 64 MiB there, 8 MiB elsewhere; a slot
+    the user set wins."""
+    assert torch_hca._C.cuda_slot_bytes(asked, devices) == slot
 
 
 def _group_made(rank, world):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _C, costs, topology
@@ -60,8 +61,14 @@ class NodePlan:
         return self.text
 
 
-def _slot_bytes(device):
-    return cuda_chunk_bytes() if device == "cuda" else shm_chunk_bytes()
+def _slot_bytes(device, running):
+    """The slot a group of `device`'s tensors stages in: a running group's once it set up its staging,
+    else the one set or, for CUDA, the one for ranks on different GPUs."""
+    if device == "cpu":
+        return shm_chunk_bytes()
+    staged = running and running["staging"]["cuda"]
+    found = re.search(r"slots of (\d+) bytes", staged) if staged else None
+    return int(found.group(1)) if found else _C.cuda_slot_bytes(cuda_chunk_bytes(), [])
 
 
 def explain(
@@ -87,8 +94,9 @@ def explain(
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
-    rounds that cut the packs to fit a staging slot of `slot_bytes` (default: `device`'s slot,
-    TORCH_HCA_SHM_CHUNK_BYTES or TORCH_HCA_CUDA_CHUNK_BYTES). For algorithm="nccl", the packing alone. With `nodes` (each
+    rounds that cut the packs to fit a staging slot of `slot_bytes` (default: `device`'s slot, a
+    running group's once it staged, else TORCH_HCA_SHM_CHUNK_BYTES or TORCH_HCA_CUDA_CHUNK_BYTES;
+    where the latter is unset, 8 MiB, the slot of ranks on different GPUs). For algorithm="nccl", the packing alone. With `nodes` (each
     rank's node, e.g. ["a", "a", "b", "b"]) and more than one node, the allreduce across nodes, as a
     NodePlan. With groups="auto" (the default), the groups the ranks would form if they ran on
     `numa_nodes` (each rank's NUMA nodes, e.g. [[0], [1], [0], [1]]) and `packages` (each rank's
@@ -135,7 +143,7 @@ def explain(
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
-                                             root, _slot_bytes(device) if slot_bytes is None else slot_bytes)
+                                             root, _slot_bytes(device, running) if slot_bytes is None else slot_bytes)
         nbytes = 4 * sum(numels)
         predicted = model.predict_us(nbytes, names) if model and collective == "allreduce" else None
         chosen = model.choose(nbytes, names) if predicted else None

@@ -169,8 +169,14 @@ def shm_slots(environ=None) -> int:
 
 
 def cuda_chunk_bytes(environ=None) -> int:
-    """Bytes of one CUDA staging slot per rank (TORCH_HCA_CUDA_CHUNK_BYTES, default 8 MiB)."""
-    return _env_int("CUDA_CHUNK_BYTES", 8 << 20, 4096, environ)
+    """Bytes of one CUDA staging slot per rank (TORCH_HCA_CUDA_CHUNK_BYTES), or 0 where it is not
+    set: then the group chooses at its first CUDA collective, the same on every rank, 64 MiB where
+    every rank uses one GPU (processes sharing a GPU take turns on it, and each round of a call
+    costs about a millisecond there whatever its size) and 8 MiB otherwise."""
+    environ = os.environ if environ is None else environ
+    if not environ.get(ENV_PREFIX + "CUDA_CHUNK_BYTES", "").strip():
+        return 0
+    return _env_int("CUDA_CHUNK_BYTES", 0, 4096, environ)
 
 
 def cuda_slots(environ=None) -> int:

@@ -12,6 +12,7 @@
 #include "../transport/control/outside_load.h"
 #include "../transport/control/segment.h"
 #include "../transport/shm/mailbox.h"
+#include "../transport/cuda/cuda_executor.h"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
 #include "engines/node_backend.hpp"
@@ -409,6 +410,14 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(span.head, span.unit, span.units, span.tail);
       },
       py::arg("dst"), py::arg("src"), py::arg("bytes"));
+  m.def(
+      "cuda_slot_bytes",
+      [](size_t asked, const std::vector<std::string>& devices) {
+        return ring_slot_bytes(asked, devices, cuda::kSlotBytesSpread, cuda::kSlotBytesOneGpu);
+      },
+      py::arg("asked"), py::arg("devices"),
+      "The CUDA staging slot of a group whose ranks report these GPUs, TORCH_HCA_CUDA_CHUNK_BYTES being `asked` "
+      "(0: unset)");
 #ifdef HCA_WITH_CUDA
   m.attr("has_cuda") = true;
   m.def("peer_performance_rank", &cuda::peer_performance_rank, py::arg("src"), py::arg("dst"));

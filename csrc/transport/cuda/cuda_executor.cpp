@@ -103,8 +103,8 @@ void check_peer(Rendezvous& rendezvous, int peer, const PeerRecord& mine, const 
 // Where the staging lives (staging_place.h): a peer's GPU is reachable when it
 // is visible here (CUDA_VISIBLE_DEVICES) and is this GPU or a CUDA peer of it;
 // TORCH_HCA_CUDA_STAGING=host asks for host memory. Each rank's record is
-// checked first (one node, one build, the same staging sizes).
-bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
+// checked first (one node, one build, the same staging sizes asked).
+StagingChoice choose_place(Rendezvous& rendezvous, int rank, int world, int device, const CudaConfig& config,
                           std::chrono::milliseconds timeout) {
   PeerRecord mine{};
   mine.protocol = kProtocol;
@@ -128,17 +128,16 @@ bool stage_in_host_memory(Rendezvous& rendezvous, int rank, int world, int devic
     return can != 0;
   };
   return choose_staging_place(rendezvous, "cuda_staging", rank, world, uuid_text(mine.uuid), reaches,
-                              config.host_staging, timeout)
-             .place == StagingPlace::HostMemory;
+                              config.host_staging, timeout);
 }
 
 // This rank's staging (a ring of slots in one cudaMalloc) and every peer's, mapped by IPC.
 class IpcStaging final : public Staging {
  public:
-  IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, const CudaConfig& config,
+  IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, RingLayout ring,
              std::chrono::milliseconds timeout)
       : control_(control), rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
-    const size_t bytes = product_bytes(config.slot_bytes, static_cast<size_t>(config.slots), 1, "the CUDA staging");
+    const size_t bytes = product_bytes(ring.slot_bytes, static_cast<size_t>(ring.slots), 1, "the CUDA staging");
     check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
     bases_[rank] = static_cast<char*>(own_);
     try {
@@ -208,10 +207,10 @@ class IpcStaging final : public Staging {
 // peer that dies leaves the memory mapped here (unlike IPC-mapped GPU memory).
 class HostStaging final : public Staging {
  public:
-  HostStaging(Rendezvous& rendezvous, int rank, int world, const CudaConfig& config, std::chrono::milliseconds timeout)
-      : ring_bytes_(config.slot_bytes * static_cast<size_t>(config.slots)),
-        segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, config.slot_bytes,
-                                      config.slots, timeout)) {
+  HostStaging(Rendezvous& rendezvous, int rank, int world, RingLayout ring, std::chrono::milliseconds timeout)
+      : ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
+        segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, ring.slot_bytes, ring.slots,
+                                      timeout)) {
     check(cudaHostRegister(segment_->data(), segment_->size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
           "cudaHostRegister of the host staging");
     void* device = nullptr;
@@ -232,13 +231,17 @@ class HostStaging final : public Staging {
   char* device_base_ = nullptr;
 };
 
+// Every rank's ring, in the place and of the slot size the ranks chose together.
 std::unique_ptr<Staging> open_staging(ControlBlock& control, Rendezvous& rendezvous, int device,
-                                      const CudaConfig& config, std::chrono::milliseconds timeout) {
+                                      const CudaConfig& config, RingLayout& ring, std::chrono::milliseconds timeout) {
   const int rank = control.rank(), world = control.world();
-  if (stage_in_host_memory(rendezvous, rank, world, device, config, timeout)) {
-    return std::make_unique<HostStaging>(rendezvous, rank, world, config, timeout);
+  const StagingChoice choice = choose_place(rendezvous, rank, world, device, config, timeout);
+  ring = {aligned_slot_bytes(ring_slot_bytes(config.slot_bytes, choice.devices, kSlotBytesSpread, kSlotBytesOneGpu)),
+          config.slots};
+  if (choice.place == StagingPlace::HostMemory) {
+    return std::make_unique<HostStaging>(rendezvous, rank, world, ring, timeout);
   }
-  return std::make_unique<IpcStaging>(control, rendezvous, rank, world, config, timeout);
+  return std::make_unique<IpcStaging>(control, rendezvous, rank, world, ring, timeout);
 }
 
 // The control block's pages, visible to the GPU for stream waits and writes.
@@ -280,11 +283,12 @@ class CudaDevice final : public StreamDevice {
       : ops_(device),
         registered_(control),
         released_(registered_.failure_words()),
-        staging_(open_staging(control, rendezvous, device, config, timeout)) {}
+        staging_(open_staging(control, rendezvous, device, config, ring_, timeout)) {}
 
   DeviceRuntime& runtime() override { return cuda::runtime(); }
   char* staging(int rank) const override { return staging_->base(rank); }
   std::string staging_kind() const override { return staging_->kind(); }
+  RingLayout ring() const override { return ring_; }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     copy_async(cuda(stream), released_, dst, src, bytes);
   }
@@ -308,6 +312,7 @@ class CudaDevice final : public StreamDevice {
   StreamOps ops_;
   RegisteredControl registered_;
   ReleaseWords released_;
+  RingLayout ring_{};  // set by open_staging, before staging_
   std::unique_ptr<Staging> staging_;
 };
 
@@ -315,13 +320,11 @@ class CudaDevice final : public StreamDevice {
 
 std::unique_ptr<Executor> make_cuda_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
                                              CudaConfig config) {
-  config.slot_bytes = aligned_slot_bytes(config.slot_bytes);
   auto open = [&control, config](Rendezvous& rendezvous, int device, std::chrono::milliseconds timeout) {
     DeviceGuard guard(cuda::runtime(), device);
     return std::unique_ptr<StreamDevice>(new CudaDevice(control, rendezvous, device, config, timeout));
   };
-  return make_stream_executor(control, std::move(rendezvous), std::move(open),
-                              RingLayout{config.slot_bytes, config.slots});
+  return make_stream_executor(control, std::move(rendezvous), std::move(open));
 }
 
 }  // namespace hca::cuda

@@ -15,9 +15,14 @@
 
 namespace hca::cuda {
 
+// A slot where the ranks' GPUs differ, and where every rank shares one GPU
+// (ring_slot_bytes: there each round costs a switch between the processes).
+constexpr size_t kSlotBytesSpread = 8u << 20;
+constexpr size_t kSlotBytesOneGpu = 64u << 20;
+
 struct CudaConfig {
-  size_t slot_bytes = 8u << 20;  // TORCH_HCA_CUDA_CHUNK_BYTES
-  int slots = 4;                 // TORCH_HCA_CUDA_SLOTS: the ring
+  size_t slot_bytes = 0;  // TORCH_HCA_CUDA_CHUNK_BYTES; 0: one of the two above, chosen at setup
+  int slots = 4;          // TORCH_HCA_CUDA_SLOTS: the ring
   // TORCH_HCA_CUDA_STAGING=host: stage in host shared memory even where the
   // GPUs could map each other's memory (one rank saying so is enough).
   bool host_staging = false;

@@ -129,6 +129,7 @@ class HostStreams final : public StreamDevice {
   HostStreams(ControlBlock& control, Rendezvous& rendezvous, int device, RingLayout ring,
               std::chrono::milliseconds timeout)
       : control_(control),
+        ring_(ring),
         ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
         choice_(choose_place(rendezvous, control, device, timeout)),
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
@@ -150,6 +151,7 @@ class HostStreams final : public StreamDevice {
 
   DeviceRuntime& runtime() override { return ModelRuntime::instance(); }
   char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
+  RingLayout ring() const override { return ring_; }
   std::string staging_kind() const override {
     return choice_.place == StagingPlace::HostMemory
                ? "host shared memory that every device maps (the CPU model's; some rank cannot map a peer's "
@@ -265,6 +267,7 @@ class HostStreams final : public StreamDevice {
   }
 
   ControlBlock& control_;
+  RingLayout ring_;
   size_t ring_bytes_;
   StagingChoice choice_;
   std::unique_ptr<SharedSegment> staging_;
@@ -283,7 +286,7 @@ std::unique_ptr<Executor> make_host_stream_executor(ControlBlock& control, std::
     DeviceGuard guard(ModelRuntime::instance(), device);
     return std::unique_ptr<StreamDevice>(new HostStreams(control, rendezvous, device, ring, timeout));
   };
-  return make_stream_executor(control, std::move(rendezvous), std::move(open), ring);
+  return make_stream_executor(control, std::move(rendezvous), std::move(open));
 }
 
 }  // namespace hca

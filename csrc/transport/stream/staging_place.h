@@ -6,6 +6,7 @@
 // transport where GPUs reach each other, its shared-memory transport otherwise.
 #pragma once
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <string>
 #include <vector>
@@ -15,6 +16,12 @@
 namespace hca {
 
 enum class StagingPlace { DeviceMemory, HostMemory };
+
+// The staging ring of each rank; every rank must use the same.
+struct RingLayout {
+  size_t slot_bytes;
+  int slots;
+};
 
 struct StagingChoice {
   StagingPlace place;
@@ -29,5 +36,13 @@ struct StagingChoice {
 StagingChoice choose_staging_place(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
                                   const std::string& my_device, const std::function<bool(const std::string&)>& reaches,
                                   bool host_asked, std::chrono::milliseconds timeout);
+
+// The slot size for a ring: `asked` where it is set (non-zero), else
+// `one_device` where two or more ranks reported one and the same device
+// (StagingChoice::devices) and `spread` otherwise. Processes that share a GPU
+// take turns on it, and each round of a call costs about a switch between them
+// (a millisecond on an H200) whatever its size, so there fewer, larger rounds
+// are faster. The same on every rank: the devices are the exchanged reports.
+size_t ring_slot_bytes(size_t asked, const std::vector<std::string>& devices, size_t spread, size_t one_device);
 
 }  // namespace hca

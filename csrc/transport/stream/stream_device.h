@@ -13,6 +13,7 @@
 
 #include "../../plan/types.h"
 #include "device_runtime.h"
+#include "staging_place.h"
 
 namespace hca {
 
@@ -28,6 +29,8 @@ class StreamDevice {
   virtual char* staging(int rank) const = 0;
   // Where that ring lives, in words.
   virtual std::string staging_kind() const = 0;
+  // Its slots (the same on every rank; chosen when the device opened).
+  virtual RingLayout ring() const = 0;
 
   // Issued on `stream` (a stream of the device, which is current); each runs
   // after everything issued on it before. The data operations (copy, reduce,

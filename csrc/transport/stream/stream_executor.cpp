@@ -55,9 +55,8 @@ class StreamMedium final : public Medium {
 
 class StreamExecutor final : public Executor {
  public:
-  StreamExecutor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous, OpenStreamDevice open,
-                 RingLayout ring)
-      : control_(control), rendezvous_(std::move(rendezvous)), open_(std::move(open)), ring_(ring) {}
+  StreamExecutor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous, OpenStreamDevice open)
+      : control_(control), rendezvous_(std::move(rendezvous)), open_(std::move(open)) {}
 
   ~StreamExecutor() override {
     {
@@ -164,9 +163,11 @@ class StreamExecutor final : public Executor {
     device_index_ = device_index;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      staging_ = device_->staging_kind();
+      const RingLayout ring = device_->ring();
+      staging_ = device_->staging_kind() + "; " + std::to_string(ring.slots) + " slots of " +
+                 std::to_string(ring.slot_bytes) + " bytes per rank";
     }
-    medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), ring_);
+    medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), device_->ring());
     runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -327,7 +328,6 @@ class StreamExecutor final : public Executor {
   ControlBlock& control_;
   std::shared_ptr<Rendezvous> rendezvous_;
   OpenStreamDevice open_;
-  RingLayout ring_;
   int device_index_ = -1;
   std::unique_ptr<StreamDevice> device_;
   std::unique_ptr<StreamMedium> medium_;
@@ -345,8 +345,8 @@ class StreamExecutor final : public Executor {
 }  // namespace
 
 std::unique_ptr<Executor> make_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
-                                               OpenStreamDevice open, RingLayout ring) {
-  return std::make_unique<StreamExecutor>(control, std::move(rendezvous), std::move(open), ring);
+                                               OpenStreamDevice open) {
+  return std::make_unique<StreamExecutor>(control, std::move(rendezvous), std::move(open));
 }
 
 }  // namespace hca

@@ -16,12 +16,6 @@
 
 namespace hca {
 
-// The staging ring of each rank; every rank must use the same.
-struct RingLayout {
-  size_t slot_bytes;
-  int slots;
-};
-
 // Opens the device of `device_index` (every rank takes part: staging is shared).
 using OpenStreamDevice =
     std::function<std::unique_ptr<StreamDevice>(Rendezvous&, int device_index, std::chrono::milliseconds timeout)>;
@@ -33,6 +27,6 @@ using OpenStreamDevice =
 // or a mismatched call is named as such). A rank whose device fails to open
 // publishes why through `rendezvous`.
 std::unique_ptr<Executor> make_stream_executor(ControlBlock& control, std::shared_ptr<Rendezvous> rendezvous,
-                                               OpenStreamDevice open, RingLayout ring);
+                                               OpenStreamDevice open);
 
 }  // namespace hca
