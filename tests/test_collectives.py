@@ -16,6 +16,7 @@ WORLD_SIZES = [1, 2, 3, 4]
 CONFIGS = {
     "hierarchical_copy": [dict(num_packs=n) for n in (0, 1, 2, 7, 5000)],
     "reduce_to_one_device": [dict(), dict(reduce_to_device=-1)],  # -1: the last rank
+    "direct": [dict(), dict(num_packs=3)],
 }
 SIZES = [1, 13, 1000]
 BIG = 70_001  # > 65536 bytes for every dtype wider than one byte
@@ -59,7 +60,8 @@ def test_allreduce_every_op_dtype_and_packing(world, algorithm, device):
     results = run_ranks(_allreduce_matrix, world, algorithm, device, env=SMALL_CHUNKS)
     for errors, _ in results:
         assert errors == []
-    # Everybody copies the leader's result: all ranks hold the same bits.
+    # Everybody copies the leader's result, or (direct) sums the same inputs in rank order: all ranks
+    # hold the same bits.
     assert all(digests == results[0][1] for _, digests in results)
 
 
@@ -96,7 +98,7 @@ def _rooted(rank, world, device):
     """broadcast from every src, reduce to every dst, allgather, reduce_scatter, barrier."""
     dev = rank_device(device, rank)
     errors, case = [], 1000
-    for algorithm in ("hierarchical_copy", "reduce_to_one_device"):
+    for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct"):
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
         for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8):
             for numel in (1, 1001, BIG):
@@ -349,7 +351,7 @@ def test_wait_with_a_timeout_returns_within_it(world, device):
 
 
 PREMUL_CONFIGS = [("hierarchical_copy", dict(num_packs=1)), ("hierarchical_copy", dict(num_packs=2)),
-                  ("reduce_to_one_device", dict())]
+                  ("reduce_to_one_device", dict()), ("direct", dict(num_packs=2))]
 
 
 def _premul_sum(rank, world, device):

@@ -22,9 +22,9 @@ def test_a_fit_recovers_the_line_through_its_points():
     assert line.fixed_us == pytest.approx(20) and line.bytes_per_us == pytest.approx(1500)
 
 
-def model_of(one_pack, pack_per_rank, reduce_to_one_device=(1e9, 1), origin="test"):
-    """A model from (fixed µs, bytes per µs) per candidate (reduce_to_one_device: never ahead)."""
-    lines = zip(costs.CANDIDATES, (one_pack, pack_per_rank, reduce_to_one_device))
+def model_of(one_pack, pack_per_rank, reduce_to_one_device=(1e9, 1), direct=(1e9, 1), origin="test"):
+    """A model from (fixed µs, bytes per µs) per candidate (reduce_to_one_device, direct: never ahead)."""
+    lines = zip(costs.CANDIDATES, (one_pack, pack_per_rank, reduce_to_one_device, direct))
     return costs.CostModel({name: costs.Line(*line) for name, line in lines}, origin)
 
 
@@ -61,7 +61,7 @@ def choice_at(table, nbytes):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_table_by_size_is_the_per_call_rule_at_every_size(seed):
-    """Three candidates whose lines cross anywhere: the table the plan reads gives, at every size
+    """Four candidates whose lines cross anywhere: the table the plan reads gives, at every size
     around each crossing and on a grid from 1 B to 1 GiB, what the rule gives for that size (the
     fastest of those 5% ahead of one pack, else one pack)."""
     rng = torch.Generator().manual_seed(seed)
@@ -97,12 +97,17 @@ def test_explain_shows_each_candidates_predicted_time_and_the_choice(world, cpus
 
 def test_the_shipped_table_gives_what_its_machine_measured():
     """2 ranks with a CPU each: a pack per rank from a few KiB (measured ahead from 16 KiB on, and
-    level at 4 KiB); 3 ranks taking turns on 2 CPUs: one pack up to 16 KiB, a pack per rank ahead
-    from 64 KiB on; 4 ranks taking turns: level at 256 KiB, a pack per rank ahead from 1 MiB on;
-    reduce_to_one_device never 5% ahead of one pack for long."""
-    for world, after, before in [(2, 1 << 10, 16 << 10), (3, 16 << 10, 256 << 10), (4, 64 << 10, 1 << 20)]:
+    level at 4 KiB), direct never ahead of one pack for small calls; 3 and 4 ranks taking turns on
+    2 CPUs: direct for small calls (measured up to 20% faster than one pack from 16 B to 16 KiB on
+    3 ranks, and from 16 B to 1 KiB on 4), then one pack, then a pack per rank (ahead from 256 KiB on
+    3 ranks, from 1 MiB on 4); reduce_to_one_device never 5% ahead of one pack for long."""
+    table = costs.shipped(2, 2).by_size()
+    assert [name for _, name in table] == ["one_pack", "pack_per_rank"] and 1 << 10 < table[1][0] < 16 << 10, table
+    for world, direct_to, per_rank_from in [(3, (4 << 10, 64 << 10), (64 << 10, 256 << 10)),
+                                            (4, (1 << 10, 64 << 10), (64 << 10, 1 << 20))]:
         table = costs.shipped(world, 2).by_size()
-        assert [name for _, name in table] == ["one_pack", "pack_per_rank"] and after < table[1][0] < before, table
+        assert [name for _, name in table] == ["direct", "one_pack", "pack_per_rank"], table
+        assert direct_to[0] < table[1][0] < direct_to[1] and per_rank_from[0] < table[2][0] < per_rank_from[1], table
     assert "shipped table (2 ranks" in costs.shipped(8, 16).origin  # a CPU each: the 2-rank lines
     with pytest.raises(ValueError, match="TORCH_HCA_CALIBRATE"):
         costs.calibrate_mode({"TORCH_HCA_CALIBRATE": "yes"})

@@ -113,6 +113,7 @@ NCCL_USABLE = torch_hca._C.has_cuda and torch.cuda.is_available() and dist.is_nc
 
 @pytest.mark.parametrize("options, message", [
     (dict(groups=[[0, 1], [2, 3]]), "groups: explicit groups cannot span 2 nodes"),
+    (dict(algorithm="direct"), "algorithm: 'direct' reads every peer's memory, so it serves the ranks of one node"),
     pytest.param(dict(inter_node_backend="nccl"), "inter_node_backend: 'nccl' needs torch_hca built with CUDA, a GPU",
                  marks=pytest.mark.skipif(NCCL_USABLE, reason="NCCL is usable here")),
 ])

@@ -63,7 +63,7 @@ def test_every_rank_is_in_exactly_one_group(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 9])
 @pytest.mark.parametrize("num_packs", [0, 1, 2, 3, 7, 40])
-@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device"])
+@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device", "direct"])
 def test_schedule_reduces_every_rank_exactly(world, num_packs, algorithm):
     """Odd world sizes too: following the edges sums every rank's data exactly once."""
     numels = [29, 3, 11]  # several tensors: packs span tensor boundaries

@@ -62,7 +62,7 @@ def _run_rounds(plan, world, inputs):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("num_packs", [0, 1, 2, 7])
-@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device"])
+@pytest.mark.parametrize("algorithm", ["hierarchical_copy", "reduce_to_one_device", "direct"])
 @pytest.mark.parametrize("slot_bytes", [256, 4096])
 def test_roles_and_rounds_reduce_every_rank_exactly(world, num_packs, algorithm, slot_bytes):
     numel = 1000
@@ -94,6 +94,17 @@ def test_roles_of_hierarchical_copy():
     assert member == dict(stages=True, fused_step=-1, result=True, last_in=1, direct=True)
     assert "rank 1: pack 0 (stages, result at step 2 (copied straight out)), pack 1 (reads its input at step 1" \
         in str(plan)
+
+
+def test_roles_of_direct():
+    """One step in which every rank reduces every peer's slot: every rank stages (peers read it in
+    that very step), none reads its input in the reduce (its slot, in rank order), all hold the result."""
+    plan = torch_hca.explain(3, "direct", num_packs=2, numels=[9])
+    for pack in plan.packs:
+        assert pack["steps"] == [[("reduce", src, dst) for dst in range(3) for src in range(3) if src != dst]]
+    for rank in range(3):
+        assert plan.roles[rank] == [dict(stages=True, fused_step=-1, result=True, last_in=0, direct=False)] * 2
+    assert "step 1: reduce 1->0, reduce 2->0, reduce 0->1, reduce 2->1, reduce 0->2, reduce 1->2" in str(plan)
 
 
 def test_rounds_interleave_packs_and_show_in_explain():

@@ -42,6 +42,7 @@ def modes(world):
             ("hierarchical_copy", Options("hierarchical_copy", num_packs=1)),
             (f"hierarchical_copy num_packs={world}", Options("hierarchical_copy", num_packs=world)),
             ("reduce_to_one_device", Options("reduce_to_one_device")),
+            ("direct", Options("direct")),
             ("nccl pass-through", Options("nccl", num_packs=2))]
 
 

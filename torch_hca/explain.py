@@ -23,7 +23,7 @@ class Plan:
     roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct).
     rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`.
     predicted_us: where hca chose per call, the cost model's time for each candidate left open
-    (of "one_pack", "pack_per_rank", "reduce_to_one_device"); chosen: the one the call got;
+    (of "one_pack", "pack_per_rank", "reduce_to_one_device", "direct"); chosen: the one the call got;
     cost_model: that model (its lines and where they came from)."""
 
     packs: List[dict]

@@ -67,6 +67,11 @@ Nodes group_by_node(const std::vector<std::string>& identities) {
 
 void validate_across_nodes(const PlanOptions& options, const Nodes& nodes) {
   validate(options, nodes.world());
+  if (options.algorithm == Algorithm::Direct && nodes.count() > 1) {
+    throw std::invalid_argument("algorithm: 'direct' reads every peer's memory, so it serves the ranks of one node; "
+                                "across " + std::to_string(nodes.count()) +
+                                " nodes use hierarchical_copy or reduce_to_one_device");
+  }
   if (!options.groups.empty() && nodes.count() > 1) {
     throw std::invalid_argument("groups: explicit groups cannot span " + std::to_string(nodes.count()) +
                                 " nodes (each node groups its own ranks by default); leave groups unset");

@@ -14,7 +14,7 @@ const Groups& groups_or_default(const PlanOptions& options, int world, Groups& s
 }
 
 Schedule reduce_schedule(const PlanOptions& options, const Groups& groups, int world, int root) {
-  return options.algorithm == Algorithm::ReduceToOneDevice ? one_device_reduce(world, root)
+  return options.algorithm != Algorithm::HierarchicalCopy ? one_device_reduce(world, root)
                                                            : hierarchical_reduce(groups, root);
 }
 
@@ -78,7 +78,8 @@ std::vector<PackPlan> plan_allreduce(const std::vector<TensorDesc>& tensors, int
     // Only hierarchical copy rotates its leaders over the packs: there, packs spread the work.
     Schedule schedule = options.algorithm == Algorithm::ReduceToOneDevice
                             ? one_device_allreduce(world, std::max(options.reduce_to_device, 0))
-                            : hierarchical_allreduce(groups, world, pack.index);
+                        : options.algorithm == Algorithm::Direct ? direct_allreduce(world)
+                                                                 : hierarchical_allreduce(groups, world, pack.index);
     plan.push_back({std::move(pack), std::move(schedule)});
   }
   return plan;

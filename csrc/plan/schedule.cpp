@@ -87,6 +87,19 @@ Schedule one_device_allreduce(int world, int root) {
   return schedule;
 }
 
+Schedule direct_allreduce(int world) {
+  Schedule schedule;
+  Step all;
+  for (int dst = 0; dst < world; ++dst) {
+    for (int src = 0; src < world; ++src) {
+      if (src != dst) all.push_back({EdgeKind::Reduce, src, dst});
+    }
+  }
+  add_step(schedule, std::move(all));
+  schedule.result_ranks = all_ranks(world);
+  return schedule;
+}
+
 Schedule broadcast_schedule(int world, int src) {
   Schedule schedule;
   Step fan_out;

@@ -37,6 +37,9 @@ Schedule hierarchical_reduce(const Groups& groups, int root);
 // Everyone reduces into `root`, which copies the result back to everyone.
 Schedule one_device_allreduce(int world, int root);
 Schedule one_device_reduce(int world, int root);
+// One step: every rank reduces every peer's staged data (and its own) into its
+// output, in rank order, so that every rank holds the same bits.
+Schedule direct_allreduce(int world);
 // `src` copies its data to everyone else; every rank ends with the result
 // (src's own output gets its input, for when they differ, as in allgather).
 Schedule broadcast_schedule(int world, int src);

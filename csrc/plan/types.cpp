@@ -44,16 +44,17 @@ const char* algorithm_name(Algorithm algorithm) {
   switch (algorithm) {
     case Algorithm::HierarchicalCopy: return "hierarchical_copy";
     case Algorithm::ReduceToOneDevice: return "reduce_to_one_device";
+    case Algorithm::Direct: return "direct";
   }
   return "?";
 }
 
 Algorithm parse_algorithm(const std::string& name) {
-  for (Algorithm a : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice}) {
+  for (Algorithm a : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice, Algorithm::Direct}) {
     if (name == algorithm_name(a)) return a;
   }
   throw std::invalid_argument("algorithm: unknown algorithm '" + name +
-                              "' (expected hierarchical_copy or reduce_to_one_device)");
+                              "' (expected hierarchical_copy, reduce_to_one_device or direct)");
 }
 
 }  // namespace hca

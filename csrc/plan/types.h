@@ -11,7 +11,11 @@ namespace hca {
 enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool };
 enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max };
 // The schedules the plan knows (`nccl` is a wrapper backend, not a schedule).
-enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice };
+// Direct: every rank reads what it needs from every peer in one step (an
+// all-reduce in which each rank sums all staged inputs; a reduce into the
+// root): one synchronization, but every rank reduces the whole message: for
+// small messages.
+enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice, Direct };
 
 size_t element_size(DType dtype);
 const char* dtype_name(DType dtype);

@@ -97,7 +97,9 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
     char* staged = state.mine + piece.offset;
     sources_.clear();
     int copy_from = -1;
+    bool read_here = false;  // a peer reads this rank's slot in this very step
     for (const Edge& e : schedule.steps[s]) {
+      read_here = read_here || e.src == rank_;
       if (e.dst != rank_) continue;
       medium_.wait(e.src, progress_value(state.round, s + 1), ctx);
       if (e.kind == EdgeKind::Reduce) {
@@ -106,7 +108,9 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
         copy_from = e.src;
       }
     }
-    if (!sources_.empty()) {
+    if (!sources_.empty() && read_here) {
+      reduce_beside_readers(state, piece, schedule.steps[s], final_step);
+    } else if (!sources_.empty()) {
       const bool fused = role.fused_step == static_cast<int>(s);
       if (!fused && !final_step) {
         medium_.reduce(pack.dtype, op, staged, staged, sources_.data(), sources_.size(), piece.count, nullptr, 1);
@@ -134,6 +138,33 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
                     });
     }
   }
+}
+
+void RoundRunner::reduce_beside_readers(const RoundState& state, const Piece& piece, const Step& step,
+                                        bool final_step) {
+  // Its own slot must stay as staged while peers read it, so the sum goes to
+  // the output alone; every rank folds the same slots in rank order, its own
+  // among them, so that every rank ends with the same bits.
+  if (!final_step) throw std::logic_error("hca: a rank reduces beside its readers in a step before its last");
+  const Pack& pack = (*state.collective.plan)[piece.pack].pack;
+  const size_t es = element_size(pack.dtype);
+  std::vector<int> ranks{rank_};
+  for (const Edge& e : step) {
+    if (e.dst == rank_ && e.kind == EdgeKind::Reduce) ranks.push_back(e.src);
+  }
+  std::sort(ranks.begin(), ranks.end());
+  sources_.clear();
+  for (int r : ranks) sources_.push_back(medium_.staging(r, state.round) + piece.offset);
+  at_span_.resize(sources_.size() - 1);
+  for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
+                [&](const char*, char* out, size_t at, size_t n) {
+                  for (size_t i = 1; i < sources_.size(); ++i) {
+                    at_span_[i - 1] = static_cast<const char*>(sources_[i]) + at * es;
+                  }
+                  medium_.reduce(pack.dtype, state.collective.op, out, static_cast<const char*>(sources_[0]) + at * es,
+                                 at_span_.data(), at_span_.size(), n, state.divisor == 1 ? nullptr : out,
+                                 state.divisor);
+                });
 }
 
 void RoundRunner::finish_round(const RoundState& state) {

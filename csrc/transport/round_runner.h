@@ -31,6 +31,7 @@ class RoundRunner {
   void reuse_slot(uint64_t round, const WaitContext& ctx);
   void stage_inputs(const RoundState& state);
   void run_step(const RoundState& state, size_t step, const WaitContext& ctx);
+  void reduce_beside_readers(const RoundState& state, const Piece& piece, const Step& step, bool final_step);
   void finish_round(const RoundState& state);
 
   Medium& medium_;

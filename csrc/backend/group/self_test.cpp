@@ -63,7 +63,7 @@ void ProcessGroupHCA::self_test_once(const at::Device& device) {
   const int world = getSize(), root = world - 1;
   const double ranks_sum = world * (world + 1) / 2.0;
   std::string found;
-  for (Algorithm mode : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice}) {
+  for (Algorithm mode : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice, Algorithm::Direct}) {
     PlanOptions options = options_for(device);
     options.algorithm = mode;
     const std::string name = std::string(algorithm_name(mode));
