@@ -251,6 +251,9 @@ def _hostile_peer(rank, world, seeds):
     for seed in seeds:
         group = dist.new_group(timeout=timedelta(seconds=2))  # the default group's is longer
         dist.all_reduce(torch.ones(1), group=group)  # set up and healthy
+        # Every rank is out of it before rank 1 scribbles: with direct (small calls on 3 ranks) a rank
+        # leaves an all-reduce as soon as it has summed, while its peers may still be reading.
+        dist.barrier()
         if rank == 1:
             group._get_backend(torch.device("cpu"))._scribble_for_test(seed)
         dist.barrier()  # the default group, untouched: the scribbling is done
