@@ -96,6 +96,7 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
     const bool final_step = role.result && role.last_in == static_cast<int>(s);
     char* staged = state.mine + piece.offset;
     sources_.clear();
+    source_ranks_.clear();
     int copy_from = -1;
     bool read_here = false;  // a peer reads this rank's slot in this very step
     for (const Edge& e : schedule.steps[s]) {
@@ -104,12 +105,13 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
       medium_.wait(e.src, progress_value(state.round, s + 1), ctx);
       if (e.kind == EdgeKind::Reduce) {
         sources_.push_back(medium_.staging(e.src, state.round) + piece.offset);
+        source_ranks_.push_back(e.src);
       } else {
         copy_from = e.src;
       }
     }
     if (!sources_.empty() && read_here) {
-      reduce_beside_readers(state, piece, schedule.steps[s], final_step);
+      reduce_beside_readers(state, piece, final_step);
     } else if (!sources_.empty()) {
       const bool fused = role.fused_step == static_cast<int>(s);
       if (!fused && !final_step) {
@@ -140,21 +142,17 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
   }
 }
 
-void RoundRunner::reduce_beside_readers(const RoundState& state, const Piece& piece, const Step& step,
-                                        bool final_step) {
+void RoundRunner::reduce_beside_readers(const RoundState& state, const Piece& piece, bool final_step) {
   // Its own slot must stay as staged while peers read it, so the sum goes to
   // the output alone; every rank folds the same slots in rank order, its own
   // among them, so that every rank ends with the same bits.
   if (!final_step) throw std::logic_error("hca: a rank reduces beside its readers in a step before its last");
   const Pack& pack = (*state.collective.plan)[piece.pack].pack;
   const size_t es = element_size(pack.dtype);
-  std::vector<int> ranks{rank_};
-  for (const Edge& e : step) {
-    if (e.dst == rank_ && e.kind == EdgeKind::Reduce) ranks.push_back(e.src);
-  }
-  std::sort(ranks.begin(), ranks.end());
+  source_ranks_.push_back(rank_);
+  std::sort(source_ranks_.begin(), source_ranks_.end());
   sources_.clear();
-  for (int r : ranks) sources_.push_back(medium_.staging(r, state.round) + piece.offset);
+  for (int r : source_ranks_) sources_.push_back(medium_.staging(r, state.round) + piece.offset);
   at_span_.resize(sources_.size() - 1);
   for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
                 [&](const char*, char* out, size_t at, size_t n) {

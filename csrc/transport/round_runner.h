@@ -31,7 +31,7 @@ class RoundRunner {
   void reuse_slot(uint64_t round, const WaitContext& ctx);
   void stage_inputs(const RoundState& state);
   void run_step(const RoundState& state, size_t step, const WaitContext& ctx);
-  void reduce_beside_readers(const RoundState& state, const Piece& piece, const Step& step, bool final_step);
+  void reduce_beside_readers(const RoundState& state, const Piece& piece, bool final_step);
   void finish_round(const RoundState& state);
 
   Medium& medium_;
@@ -42,6 +42,7 @@ class RoundRunner {
   std::vector<Role> roles_;
   std::vector<Round> cut_;
   std::vector<const void*> sources_, at_span_;
+  std::vector<int> source_ranks_;  // whose slots sources_ point into, in the same order
 };
 
 }  // namespace hca

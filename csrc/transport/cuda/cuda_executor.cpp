@@ -79,9 +79,14 @@ Record await_record(Rendezvous& rendezvous, const std::string& prefix, int peer,
 // Every rank's staging ring, as this rank's GPU addresses it.
 class Staging {
  public:
+  explicit Staging(RingLayout ring) : ring_(ring) {}
   virtual ~Staging() = default;
   virtual char* base(int rank) const = 0;
   virtual std::string kind() const = 0;
+  RingLayout ring() const { return ring_; }
+
+ protected:
+  const RingLayout ring_;
 };
 
 // Checks `peer`'s record against this rank's (one node, one build, the same staging sizes).
@@ -136,7 +141,12 @@ class IpcStaging final : public Staging {
  public:
   IpcStaging(ControlBlock& control, Rendezvous& rendezvous, int rank, int world, RingLayout ring,
              std::chrono::milliseconds timeout)
-      : control_(control), rendezvous_(rendezvous), rank_(rank), world_(world), bases_(world, nullptr) {
+      : Staging(ring),
+        control_(control),
+        rendezvous_(rendezvous),
+        rank_(rank),
+        world_(world),
+        bases_(world, nullptr) {
     const size_t bytes = product_bytes(ring.slot_bytes, static_cast<size_t>(ring.slots), 1, "the CUDA staging");
     check(cudaMalloc(&own_, bytes), "cudaMalloc of the staging slots");
     bases_[rank] = static_cast<char*>(own_);
@@ -208,7 +218,7 @@ class IpcStaging final : public Staging {
 class HostStaging final : public Staging {
  public:
   HostStaging(Rendezvous& rendezvous, int rank, int world, RingLayout ring, std::chrono::milliseconds timeout)
-      : ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
+      : Staging(ring),
         segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, ring.slot_bytes, ring.slots,
                                       timeout)) {
     check(cudaHostRegister(segment_->data(), segment_->size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
@@ -219,25 +229,24 @@ class HostStaging final : public Staging {
   }
   ~HostStaging() override { cudaHostUnregister(segment_->data()); }
 
-  char* base(int rank) const override { return device_base_ + static_cast<size_t>(rank) * ring_bytes_; }
+  char* base(int rank) const override { return device_base_ + static_cast<size_t>(rank) * ring_.bytes(); }
   std::string kind() const override {
     return "host shared memory registered with every GPU (some rank cannot map a peer's GPU memory, or "
            "TORCH_HCA_CUDA_STAGING=host)";
   }
 
  private:
-  size_t ring_bytes_;
   std::unique_ptr<SharedSegment> segment_;
   char* device_base_ = nullptr;
 };
 
 // Every rank's ring, in the place and of the slot size the ranks chose together.
 std::unique_ptr<Staging> open_staging(ControlBlock& control, Rendezvous& rendezvous, int device,
-                                      const CudaConfig& config, RingLayout& ring, std::chrono::milliseconds timeout) {
+                                      const CudaConfig& config, std::chrono::milliseconds timeout) {
   const int rank = control.rank(), world = control.world();
   const StagingChoice choice = choose_place(rendezvous, rank, world, device, config, timeout);
-  ring = {aligned_slot_bytes(ring_slot_bytes(config.slot_bytes, choice.devices, kSlotBytesSpread, kSlotBytesOneGpu)),
-          config.slots};
+  const size_t slot_bytes = ring_slot_bytes(config.slot_bytes, choice.devices, kSlotBytesSpread, kSlotBytesOneGpu);
+  const RingLayout ring{aligned_slot_bytes(slot_bytes), config.slots};
   if (choice.place == StagingPlace::HostMemory) {
     return std::make_unique<HostStaging>(rendezvous, rank, world, ring, timeout);
   }
@@ -283,12 +292,12 @@ class CudaDevice final : public StreamDevice {
       : ops_(device),
         registered_(control),
         released_(registered_.failure_words()),
-        staging_(open_staging(control, rendezvous, device, config, ring_, timeout)) {}
+        staging_(open_staging(control, rendezvous, device, config, timeout)) {}
 
   DeviceRuntime& runtime() override { return cuda::runtime(); }
   char* staging(int rank) const override { return staging_->base(rank); }
   std::string staging_kind() const override { return staging_->kind(); }
-  RingLayout ring() const override { return ring_; }
+  RingLayout ring() const override { return staging_->ring(); }
   void copy(Stream stream, void* dst, const void* src, size_t bytes) override {
     copy_async(cuda(stream), released_, dst, src, bytes);
   }
@@ -312,7 +321,6 @@ class CudaDevice final : public StreamDevice {
   StreamOps ops_;
   RegisteredControl registered_;
   ReleaseWords released_;
-  RingLayout ring_{};  // set by open_staging, before staging_
   std::unique_ptr<Staging> staging_;
 };
 

@@ -130,7 +130,6 @@ class HostStreams final : public StreamDevice {
               std::chrono::milliseconds timeout)
       : control_(control),
         ring_(ring),
-        ring_bytes_(ring.slot_bytes * static_cast<size_t>(ring.slots)),
         choice_(choose_place(rendezvous, control, device, timeout)),
         staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
                                       ring.slot_bytes, ring.slots, timeout)) {
@@ -150,7 +149,7 @@ class HostStreams final : public StreamDevice {
   }
 
   DeviceRuntime& runtime() override { return ModelRuntime::instance(); }
-  char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_bytes_; }
+  char* staging(int rank) const override { return staging_->data() + static_cast<size_t>(rank) * ring_.bytes(); }
   RingLayout ring() const override { return ring_; }
   std::string staging_kind() const override {
     return choice_.place == StagingPlace::HostMemory
@@ -231,7 +230,7 @@ class HostStreams final : public StreamDevice {
   void check_peer_memory(const void* p) const {
     const char* at = static_cast<const char*>(p);
     if (!at || at < staging_->data() || at >= staging_->data() + staging_->size()) return;
-    const int owner = static_cast<int>(static_cast<size_t>(at - staging_->data()) / ring_bytes_);
+    const int owner = static_cast<int>(static_cast<size_t>(at - staging_->data()) / ring_.bytes());
     if (owner == control_.rank() || choice_.place == StagingPlace::HostMemory) return;
     if (!ModelRuntime::instance().sees_physical(std::stoi(choice_.devices[owner]))) {
       throw std::runtime_error("an illegal memory access: an operation touched the device memory of rank " +
@@ -268,7 +267,6 @@ class HostStreams final : public StreamDevice {
 
   ControlBlock& control_;
   RingLayout ring_;
-  size_t ring_bytes_;
   StagingChoice choice_;
   std::unique_ptr<SharedSegment> staging_;
   // By the executor's issuing thread only.

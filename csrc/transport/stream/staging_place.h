@@ -21,6 +21,7 @@ enum class StagingPlace { DeviceMemory, HostMemory };
 struct RingLayout {
   size_t slot_bytes;
   int slots;
+  size_t bytes() const { return slot_bytes * static_cast<size_t>(slots); }
 };
 
 struct StagingChoice {
