@@ -24,6 +24,11 @@ the collectives' own time (1.0: nothing lost around them; below 1: overlapped wi
 pass). It splits into the wrapper's own work (bookkeeping - local, the same for every backend in
 principle) and the collectives inside the step (step - bookkeeping; in_step = that / alone).
 Times are medians over batches of the slowest rank, then medians over rounds.
+
+FSDP2's all-gathers and reduce-scatters, which it issues through torch.distributed's functions, are
+also timed at each call, in the step and in the replay, on a clock all ranks share: the time inside
+them splits into waiting for the peers to arrive (their compute ran longer; no backend can shorten
+that) and the time after the last rank arrived, which is the backend's.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import contextlib
 import datetime
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -91,23 +97,21 @@ def contenders(world):
 
 
 @contextlib.contextmanager
-def recorded_collectives(calls):
-    """Appends (kind, output numel, input numel, dtype, async_op) for each all-gather /
-    reduce-scatter FSDP2 issues while inside (it calls these through torch.distributed's module;
-    on CPU it waits for each at once: async_op=False unless unshard_async_op is set)."""
+def observed_collectives(observe):
+    """Inside, each all-gather / reduce-scatter issued through torch.distributed's module (as FSDP2
+    issues them) runs as observe(kind, output, input, async_op, call), which returns call()'s work."""
     names = [n for n in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                          "reduce_scatter_tensor") if hasattr(dist, n)]
     originals = {n: getattr(dist, n) for n in names}
 
-    def recording(name):
+    def observed(name):
         def call(output, input, *args, **kwargs):
-            calls.append(("gather" if "gather" in name else "scatter", output.numel(), input.numel(), input.dtype,
-                          kwargs.get("async_op", False)))
-            return originals[name](output, input, *args, **kwargs)
+            return observe("gather" if "gather" in name else "scatter", output, input, kwargs.get("async_op", False),
+                           lambda: originals[name](output, input, *args, **kwargs))
         return call
 
     for n in names:
-        setattr(dist, n, recording(n))
+        setattr(dist, n, observed(n))
     try:
         yield
     finally:
@@ -115,15 +119,59 @@ def recorded_collectives(calls):
             setattr(dist, n, fn)
 
 
+def recorded_collectives(calls):
+    """Appends (kind, output numel, input numel, dtype, async_op) for each collective FSDP2 issues
+    inside (on CPU it waits for each at once: async_op=False unless unshard_async_op is set)."""
+    def record(kind, output, input, async_op, call):
+        calls.append((kind, output.numel(), input.numel(), input.dtype, async_op))
+        return call()
+    return observed_collectives(record)
+
+
+def timed_collectives(spans):
+    """Appends (entered, left) for each collective issued inside, in time.monotonic_ns, one clock for
+    every process of the machine; left is -1 for an async one (its wait is elsewhere)."""
+    def time_it(kind, output, input, async_op, call):
+        entered = time.monotonic_ns()
+        work = call()
+        spans.append((entered, -1 if async_op else time.monotonic_ns()))
+        return work
+    return observed_collectives(time_it)
+
+
+def meeting_times(spans, calls_made, group):
+    """meeting_split of every rank's spans (this rank's: as timed_collectives appended them)."""
+    mine = torch.tensor(spans, dtype=torch.int64).view(-1, 2)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    entered, left = torch.stack(every).unbind(-1)
+    return meeting_split(entered, left, calls_made)
+
+
+def meeting_split(entered, left, calls_made):
+    """From each rank's (rows) entry and exit times (ns) of each collective (columns, `calls_made`
+    calls of a mode in a row, each issuing the same number): per call, ms, medians over the calls of
+    the rank that spent longest, the time inside the collectives and the part of it after the last
+    rank arrived at each. The difference is waiting for peers' compute, which no backend shortens."""
+    if entered.numel() == 0 or (left < 0).any():
+        return dict(inside_ms=float("nan"), after_last_arrival_ms=float("nan"))
+    last_arrival = entered.max(dim=0).values
+
+    def per_call(ns):
+        return ns.view(len(ns), calls_made, -1).sum(-1).max(dim=0).values.double().median().item() / 1e6
+    return dict(inside_ms=per_call(left - entered), after_last_arrival_ms=per_call((left - last_arrival).clamp(min=0)))
+
+
 def replay(calls):
     """A function issuing `calls` (as recorded) in order, as the step did: a blocking call waited
     before the next, async ones issued back-to-back and waited at the end."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     buffers = [(kind, torch.randn(out_numel, dtype=dtype), torch.randn(in_numel, dtype=dtype), async_op)
                for kind, out_numel, in_numel, dtype, async_op in calls]
 
     def run():
+        # Looked up at each run, so that timed_collectives sees them as it sees FSDP2's.
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         works = []
         for kind, out, inp, async_op in buffers:
             if kind == "allreduce":
@@ -206,9 +254,16 @@ def fsdp2_modes(model, batches, world):
     with recorded_collectives(calls):
         step()
     moved = sum(out * dtype.itemsize for kind, out, inp, dtype, async_op in calls)
-    return (dict(step=step, local=lambda: training_step(plain, plain_opt, next(batches)), bookkeeping=bookkeeping,
-                 alone=replay(calls)),
-            dict(collectives=len(calls), bytes=moved,
+    spans = dict(step=[], alone=[])
+
+    def timed(mode, run):
+        def call():
+            with timed_collectives(spans[mode]):
+                run()
+        return call
+    return (dict(step=timed("step", step), local=lambda: training_step(plain, plain_opt, next(batches)),
+                 bookkeeping=bookkeeping, alone=timed("alone", replay(calls))),
+            dict(collectives=len(calls), bytes=moved, spans=spans,
                  calls=[[kind, out, inp, str(dtype), async_op] for kind, out, inp, dtype, async_op in calls]))
 
 
@@ -223,7 +278,11 @@ def measure(rank, world, model_name, wrapper, steps, batches):
     data = [make_batch(g) for _ in range(4)]
     stream = (data[i % len(data)] for i in range(1 << 30))
     modes, traffic = WRAPPERS[wrapper](model, stream, world)
-    return alternating_medians(modes, dict.fromkeys(modes, steps), dist.group.WORLD, batches), traffic
+    seconds = alternating_medians(modes, dict.fromkeys(modes, steps), dist.group.WORLD, batches)
+    for mode, spans in traffic.pop("spans", {}).items():
+        for what, ms in meeting_times(spans, steps * batches, dist.group.WORLD).items():
+            traffic[f"{mode}_collectives_{what}"] = ms
+    return seconds, traffic
 
 
 def worker(rank, world, init, contender, model_name, wrapper, steps, batches, out_path):
@@ -254,6 +313,10 @@ def launch(world, contender, model_name, wrapper, steps, batches):
             return json.load(f)
 
 
+TIMED_AT_EACH_CALL = [f"{mode}_collectives_{what}_ms" for mode in ("step", "alone")
+                      for what in ("inside", "after_last_arrival")]
+
+
 def summarize(rows):
     """Medians over rounds per (world, model, wrapper, contender), with comm, share and gloo's gap."""
     keys = dict.fromkeys((r["world_size"], r["model"], r["wrapper"], r["contender"]) for r in rows)
@@ -269,6 +332,10 @@ def summarize(rows):
         row["in_step_ms"] = statistics.median(r["step_ms"] - r["bookkeeping_ms"] for r in runs)
         row["share"] = row["comm_ms"] / row["alone_ms"]
         row["in_step_share"] = row["in_step_ms"] / row["alone_ms"]
+        for m in TIMED_AT_EACH_CALL:  # FSDP2's only: DDP's all-reduces are issued inside its reducer
+            row[m] = statistics.median(r.get(m, float("nan")) for r in runs)
+        row["after_arrival_share"] = (row["step_collectives_after_last_arrival_ms"] /
+                                      row["alone_collectives_after_last_arrival_ms"])
         table.append(row)
     for row in table:
         gloo = next((r for r in table if r["contender"] == "gloo" and
@@ -288,6 +355,23 @@ def print_table(table):
               f"| {r['local_ms']:.1f} | {r['comm_ms']:.1f} | {r['alone_ms']:.1f} | {r['share']:.2f} "
               f"| {r['wrapper_ms']:.1f} | {r['in_step_ms']:.1f} | {r['in_step_share']:.2f} "
               f"| {r['step_vs_gloo_ms']:+.1f} | {r['alone_vs_gloo_ms']:+.1f} |")
+
+
+def print_meetings(table):
+    """The collectives timed at each call, where the wrapper issues them through torch.distributed."""
+    rows = [r for r in table if not math.isnan(r["step_collectives_inside_ms"])]
+    if not rows:
+        return
+    print("\n# collectives timed at each call, ms per step: inside them, and after the last rank arrived "
+          "(the rest waited for peers' compute)")
+    print("| ranks | model | wrapper | contender | in step: inside | waiting for peers | after last arrival "
+          "| alone: inside | after last arrival | after last arrival, in step/alone |")
+    print("|" + "---|" * 10)
+    for r in rows:
+        inside, after = r["step_collectives_inside_ms"], r["step_collectives_after_last_arrival_ms"]
+        print(f"| {r['world_size']} | {r['model']} | {r['wrapper']} | {r['contender']} | {inside:.1f} "
+              f"| {inside - after:.1f} | {after:.1f} | {r['alone_collectives_inside_ms']:.1f} "
+              f"| {r['alone_collectives_after_last_arrival_ms']:.1f} | {r['after_arrival_share']:.2f} |")
 
 
 def plot(table, path, title):
@@ -348,6 +432,7 @@ def main(argv=None):
     table = summarize(rows)
     print()
     print_table(table)
+    print_meetings(table)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
     name = f"cpu-training-ranks{args.world_sizes.replace(',', '_')}{'-short' if args.short else ''}{args.tag}-{stamp}"

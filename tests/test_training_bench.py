@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import training  # noqa: E402
@@ -32,8 +33,24 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
             assert sorted(c[2] for c in scatters) == sorted(padded)  # each layer's gradients, once
             assert {c[1] for c in gathers} == set(padded) and len(gathers) >= len(padded)
             assert all(c[1] * world == c[2] for c in scatters) and all(c[2] * world == c[1] for c in gathers)
+            for mode in ("step", "alone"):  # FSDP2's collectives, timed at each call
+                assert 0 <= r[f"{mode}_collectives_after_last_arrival_ms"] <= r[f"{mode}_collectives_inside_ms"], r
     table = result["table"]
     assert len(table) == len(launches)
     for row in table:
         assert row["comm_ms"] == pytest.approx(row["step_ms"] - row["local_ms"])
     assert (tmp_path / f"cpu-training-ranks{world}-{training.datetime.date.today().isoformat()}.png").exists()
+
+
+def test_meeting_split_separates_waiting_for_peers_from_the_collectives_time():
+    # 2 ranks, 2 calls of a mode, 2 collectives each (ns). Rank 1 arrives 3 ms late at the first
+    # collective of each call; both leave 1 ms after the last arrival; at the second they meet.
+    ms = 1_000_000
+    entered = torch.tensor([[0, 10, 100, 110], [3, 10, 103, 110]]) * ms
+    left = torch.tensor([[4, 12, 104, 112], [4, 12, 104, 113]]) * ms
+    split = training.meeting_split(entered, left, calls_made=2)
+    # Rank 0 spends 4 + 2 ms inside per call, rank 1 1 + 2 (then 1 + 3): the slowest, 6.
+    assert split["inside_ms"] == pytest.approx(6.0)
+    # After the last arrival: 3 ms per call, 4 in rank 1's second call; torch's median of (3, 4) is 3.
+    assert split["after_last_arrival_ms"] == pytest.approx(3.0)
+    assert math.isnan(training.meeting_split(entered, left.clone().fill_(-1), 2)["inside_ms"])  # async: untimed
