@@ -129,37 +129,42 @@ def recorded_collectives(calls):
 
 
 def timed_collectives(spans):
-    """Appends (entered, left) for each collective issued inside, in time.monotonic_ns, one clock for
-    every process of the machine; left is -1 for an async one (its wait is elsewhere)."""
+    """Appends (entered, left, cpu) for each collective issued inside: entry and exit in
+    time.monotonic_ns, one clock for every process of the machine (left is -1 for an async one, whose
+    wait is elsewhere), and the ns of CPU time this thread spent in the call (hca runs its CPU
+    collectives on the caller's thread; gloo on threads of its own, which this does not see)."""
     def time_it(kind, output, input, async_op, call):
-        entered = time.monotonic_ns()
+        entered, cpu = time.monotonic_ns(), time.thread_time_ns()
         work = call()
-        spans.append((entered, -1 if async_op else time.monotonic_ns()))
+        cpu = time.thread_time_ns() - cpu
+        spans.append((entered, -1 if async_op else time.monotonic_ns(), cpu))
         return work
     return observed_collectives(time_it)
 
 
 def meeting_times(spans, calls_made, group):
     """meeting_split of every rank's spans (this rank's: as timed_collectives appended them)."""
-    mine = torch.tensor(spans, dtype=torch.int64).view(-1, 2)
+    mine = torch.tensor(spans, dtype=torch.int64).view(-1, 3)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    entered, left = torch.stack(every).unbind(-1)
-    return meeting_split(entered, left, calls_made)
+    return meeting_split(*torch.stack(every).unbind(-1), calls_made)
 
 
-def meeting_split(entered, left, calls_made):
-    """From each rank's (rows) entry and exit times (ns) of each collective (columns, `calls_made`
-    calls of a mode in a row, each issuing the same number): per call, ms, medians over the calls of
-    the rank that spent longest, the time inside the collectives and the part of it after the last
-    rank arrived at each. The difference is waiting for peers' compute, which no backend shortens."""
+def meeting_split(entered, left, cpu, calls_made):
+    """From each rank's (rows) entry and exit times and CPU time (ns) in each collective (columns,
+    `calls_made` calls of a mode in a row, each issuing the same number): per call, ms, medians over
+    the calls of the rank that spent longest, the time inside the collectives, the part of it after
+    the last rank arrived at each (the rest is waiting for peers' compute, which no backend shortens),
+    and the CPU time in them (where ranks outnumber cores, a rank waiting for a core inside a
+    collective costs the step nothing while the core computes for another rank)."""
     if entered.numel() == 0 or (left < 0).any():
-        return dict(inside_ms=float("nan"), after_last_arrival_ms=float("nan"))
+        return dict.fromkeys(("inside_ms", "after_last_arrival_ms", "cpu_ms"), float("nan"))
     last_arrival = entered.max(dim=0).values
 
     def per_call(ns):
         return ns.view(len(ns), calls_made, -1).sum(-1).max(dim=0).values.double().median().item() / 1e6
-    return dict(inside_ms=per_call(left - entered), after_last_arrival_ms=per_call((left - last_arrival).clamp(min=0)))
+    return dict(inside_ms=per_call(left - entered), after_last_arrival_ms=per_call((left - last_arrival).clamp(min=0)),
+                cpu_ms=per_call(cpu))
 
 
 def replay(calls):
@@ -314,7 +319,7 @@ def launch(world, contender, model_name, wrapper, steps, batches):
 
 
 TIMED_AT_EACH_CALL = [f"{mode}_collectives_{what}_ms" for mode in ("step", "alone")
-                      for what in ("inside", "after_last_arrival")]
+                      for what in ("inside", "after_last_arrival", "cpu")]
 
 
 def summarize(rows):
@@ -362,16 +367,18 @@ def print_meetings(table):
     rows = [r for r in table if not math.isnan(r["step_collectives_inside_ms"])]
     if not rows:
         return
-    print("\n# collectives timed at each call, ms per step: inside them, and after the last rank arrived "
-          "(the rest waited for peers' compute)")
-    print("| ranks | model | wrapper | contender | in step: inside | waiting for peers | after last arrival "
-          "| alone: inside | after last arrival | after last arrival, in step/alone |")
-    print("|" + "---|" * 10)
+    print("\n# collectives timed at each call, ms per step: inside them, after the last rank arrived (the rest "
+          "waited for peers' compute), and their CPU time on the calling thread (gloo's is on threads of its own)")
+    print("| ranks | model | wrapper | contender | in step: inside | waiting for peers | after last arrival | CPU "
+          "| alone: inside | after last arrival | CPU | after last arrival, in step/alone | CPU, in step/alone |")
+    print("|" + "---|" * 13)
     for r in rows:
         inside, after = r["step_collectives_inside_ms"], r["step_collectives_after_last_arrival_ms"]
         print(f"| {r['world_size']} | {r['model']} | {r['wrapper']} | {r['contender']} | {inside:.1f} "
-              f"| {inside - after:.1f} | {after:.1f} | {r['alone_collectives_inside_ms']:.1f} "
-              f"| {r['alone_collectives_after_last_arrival_ms']:.1f} | {r['after_arrival_share']:.2f} |")
+              f"| {inside - after:.1f} | {after:.1f} | {r['step_collectives_cpu_ms']:.1f} "
+              f"| {r['alone_collectives_inside_ms']:.1f} | {r['alone_collectives_after_last_arrival_ms']:.1f} "
+              f"| {r['alone_collectives_cpu_ms']:.1f} | {r['after_arrival_share']:.2f} "
+              f"| {r['step_collectives_cpu_ms'] / r['alone_collectives_cpu_ms']:.2f} |")
 
 
 def plot(table, path, title):

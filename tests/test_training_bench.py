@@ -35,6 +35,7 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
             assert all(c[1] * world == c[2] for c in scatters) and all(c[2] * world == c[1] for c in gathers)
             for mode in ("step", "alone"):  # FSDP2's collectives, timed at each call
                 assert 0 <= r[f"{mode}_collectives_after_last_arrival_ms"] <= r[f"{mode}_collectives_inside_ms"], r
+                assert 0 <= r[f"{mode}_collectives_cpu_ms"] <= r[f"{mode}_collectives_inside_ms"] + 1, r
     table = result["table"]
     assert len(table) == len(launches)
     for row in table:
@@ -48,9 +49,12 @@ def test_meeting_split_separates_waiting_for_peers_from_the_collectives_time():
     ms = 1_000_000
     entered = torch.tensor([[0, 10, 100, 110], [3, 10, 103, 110]]) * ms
     left = torch.tensor([[4, 12, 104, 112], [4, 12, 104, 113]]) * ms
-    split = training.meeting_split(entered, left, calls_made=2)
+    cpu = torch.tensor([[1, 2, 1, 1], [1, 1, 1, 4]]) * ms
+    split = training.meeting_split(entered, left, cpu, calls_made=2)
     # Rank 0 spends 4 + 2 ms inside per call, rank 1 1 + 2 (then 1 + 3): the slowest, 6.
     assert split["inside_ms"] == pytest.approx(6.0)
     # After the last arrival: 3 ms per call, 4 in rank 1's second call; torch's median of (3, 4) is 3.
     assert split["after_last_arrival_ms"] == pytest.approx(3.0)
-    assert math.isnan(training.meeting_split(entered, left.clone().fill_(-1), 2)["inside_ms"])  # async: untimed
+    assert split["cpu_ms"] == pytest.approx(3.0)  # the most per call: 3 (rank 0), then 5 (rank 1)
+    untimed = training.meeting_split(entered, left.clone().fill_(-1), cpu, 2)  # async calls
+    assert all(math.isnan(v) for v in untimed.values())
