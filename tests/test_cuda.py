@@ -172,9 +172,9 @@ def _on_gpu_0_unset_slot(rank, world):
     t = inputs[rank].to("cuda:0")
     dist.all_reduce(t)
     wrong = mismatch("all-reduce", t.cpu(), reduce_reference(inputs, "SUM"), world)
-    staging = torch_hca.hierarchy()["staging"]["cuda"]
+    found = torch_hca.hierarchy()
     rounds = torch_hca.explain(group=dist.group.WORLD, device="cuda", numels=[(32 << 20) + 5]).rounds
-    return wrong, staging, len(rounds)
+    return wrong, found["staging"]["cuda"], found["staging_slot_bytes"]["cuda"], len(rounds)
 
 
 @needs_cuda
@@ -182,9 +182,10 @@ def _on_gpu_0_unset_slot(rank, world):
 def test_ranks_sharing_one_gpu_stage_in_64_mib_slots(world):
     """Each round costs a switch between the processes sharing a GPU (about 1 ms on an H200,
     docs/cuda.md), so there the unset slot is 64 MiB: a 128 MiB all-reduce runs in 3 rounds."""
-    for wrong, staging, rounds in run_ranks(_on_gpu_0_unset_slot, world, env={"TORCH_HCA_CUDA_CHUNK_BYTES": ""}):
+    for wrong, staging, slot_bytes, rounds in run_ranks(_on_gpu_0_unset_slot, world,
+                                                        env={"TORCH_HCA_CUDA_CHUNK_BYTES": ""}):
         assert not wrong, wrong
-        assert staging.endswith(f"; 4 slots of {64 << 20} bytes per rank"), staging
+        assert staging.endswith(f"; 4 slots of {64 << 20} bytes per rank") and slot_bytes == 64 << 20, staging
         assert rounds == 3, rounds
 
 

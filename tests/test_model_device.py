@@ -109,12 +109,14 @@ def test_a_rank_on_its_own_device_never_made_current(world, tmp_path):
 
 
 def _staged_where(rank, world):
-    """Where the staging lives before and after the first collectives (each checked), and the
-    line explain adds for a running group."""
-    before = torch_hca.hierarchy()["staging"]["cpu"]
+    """Where the staging lives and its slot before and after the first collectives (each checked),
+    and the line explain adds for a running group."""
+    before = torch_hca.hierarchy()
     wrong = _late_peer_calls(rank, world)
     line = torch_hca.explain(group=dist.group.WORLD, numels=[1000]).text.splitlines()[-1]
-    return [w for w in wrong if w], before, torch_hca.hierarchy()["staging"]["cpu"], line, model.contexts()
+    after = torch_hca.hierarchy()
+    return ([w for w in wrong if w], [before["staging"]["cpu"], before["staging_slot_bytes"]["cpu"]],
+            after["staging"]["cpu"], after["staging_slot_bytes"]["cpu"], line, model.contexts())
 
 
 def _launch(name, world, folder):
@@ -138,10 +140,11 @@ def test_the_staging_follows_what_each_rank_sees(world, launch, staged, tmp_path
     rank that cannot, or that asks for host memory, makes every rank stage in host shared memory.
     The model faults a stream that touches the device memory of a device its process does not
     see, so a wrong choice fails here. explain names the place for a running group."""
-    for rank, (wrong, before, after, line, contexts) in enumerate(
+    for rank, (wrong, before, after, slot_bytes, line, contexts) in enumerate(
             run_ranks(_staged_where, world, env_per_rank=_launch(launch, world, str(tmp_path)))):
-        assert wrong == [] and before is None and after.startswith(staged), (rank, wrong, before, after)
+        assert wrong == [] and before == [None, None] and after.startswith(staged), (rank, wrong, before, after)
         assert after.endswith(f"; {shm_slots()} slots of {shm_chunk_bytes()} bytes per rank"), after
+        assert slot_bytes == shm_chunk_bytes()
         assert line == f"staging of cpu tensors: {after}", line
         assert len(contexts) == 1, contexts
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _C, costs, topology
@@ -64,11 +63,10 @@ class NodePlan:
 def _slot_bytes(device, running):
     """The slot a group of `device`'s tensors stages in: a running group's once it set up its staging,
     else the one set or, for CUDA, the one for ranks on different GPUs."""
-    if device == "cpu":
-        return shm_chunk_bytes()
-    staged = running and running["staging"]["cuda"]
-    found = re.search(r"slots of (\d+) bytes", staged) if staged else None
-    return int(found.group(1)) if found else _C.cuda_slot_bytes(cuda_chunk_bytes(), [])
+    staged = running and running["staging_slot_bytes"][device]
+    if staged:
+        return staged
+    return shm_chunk_bytes() if device == "cpu" else _C.cuda_slot_bytes(cuda_chunk_bytes(), [])
 
 
 def explain(

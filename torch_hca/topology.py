@@ -230,7 +230,8 @@ def hierarchy(group=None) -> Dict[str, object]:
     groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
-    GPU), "cost_model": the `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where
+    GPU), "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
+    cut larger packs into rounds, or None while "staging" is, "cost_model": the `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where
     nothing is chosen}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
@@ -247,6 +248,8 @@ def hierarchy(group=None) -> Dict[str, object]:
             "cuda": dataclasses.replace(Hierarchy(**d["cuda"]), groups=backend.groups(cuda=True)),
             "places": d["places"],
             "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")},
+            "staging_slot_bytes": {device: backend.staging_slot_bytes(cuda=device == "cuda") or None
+                                   for device in ("cpu", "cuda")},
             "cost_model": _cost_model(backend.cost_model)}
 
 

@@ -226,6 +226,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property("cost_model", &ProcessGroupHCA::cost_model, &ProcessGroupHCA::set_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
+      .def("staging_slot_bytes", &ProcessGroupHCA::staging_slot_bytes, py::arg("cuda"),
+           py::call_guard<py::gil_scoped_release>())
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
       .def("_p2p_reserved_bytes", &ProcessGroupHCA::p2p_reserved_bytes)
       .def("_cpu_said_by", &ProcessGroupHCA::cpu_said_by, py::arg("rank"))

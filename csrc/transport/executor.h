@@ -81,6 +81,9 @@ class Executor {
   // Where the staging lives, in words (for torch_hca.hierarchy and explain);
   // empty while it is not set up (stream media set it up at the first collective).
   virtual std::string staging() const = 0;
+  // Bytes of one rank's staging slot, which cuts large packs into rounds (for
+  // explain); 0 while the staging is not set up.
+  virtual size_t staging_slot_bytes() const = 0;
 };
 
 }  // namespace hca

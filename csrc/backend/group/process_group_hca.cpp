@@ -192,12 +192,19 @@ Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op
                               " are not supported by this build (it has no executor for ", device.type(), ")");
 }
 
-std::string ProcessGroupHCA::staging(bool cuda) {
+template <class T>
+T ProcessGroupHCA::ask_staging(bool cuda, T (Executor::*ask)() const, T none) {
   const auto call = life_.try_enter();
-  if (!call) return "";
-  if (!cuda) return cpu_executor_->staging();
+  if (!call) return none;
+  if (!cuda) return (*cpu_executor_.*ask)();
   std::lock_guard<std::mutex> lock(cuda_executor_mutex_);
-  return cuda_executor_ ? cuda_executor_->staging() : "";
+  return cuda_executor_ ? (*cuda_executor_.*ask)() : none;
+}
+
+std::string ProcessGroupHCA::staging(bool cuda) { return ask_staging(cuda, &Executor::staging, std::string()); }
+
+size_t ProcessGroupHCA::staging_slot_bytes(bool cuda) {
+  return ask_staging(cuda, &Executor::staging_slot_bytes, size_t{0});
 }
 
 CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {

@@ -66,6 +66,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // Where CPU or CUDA tensors are staged, in words; empty before the first
   // collective that sets it up, in a build without CUDA, and once the group ended.
   std::string staging(bool cuda);
+  // Bytes of a rank's staging slot for CPU or CUDA tensors; 0 where staging() is empty.
+  size_t staging_slot_bytes(bool cuda);
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {
@@ -162,6 +164,9 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
  private:
+  // `ask` of the CPU or CUDA executor, or `none` where there is none (yet, or any more).
+  template <class T>
+  T ask_staging(bool cuda, T (Executor::*ask)() const, T none);
   // torch.distributed's SHRINK_ABORT.
   static constexpr int kShrinkAbort = 1;
   // A group over `ranks` (sorted, this rank among them) of this one, on `store`: this

@@ -47,6 +47,7 @@ class ShmExecutor final : public Executor {
               std::chrono::milliseconds timeout);
   void run(const Collective& collective) override;
   std::string staging() const override { return "host shared memory (a POSIX segment every rank maps)"; }
+  size_t staging_slot_bytes() const override { return medium_->slot_bytes(); }
 
  private:
   ControlBlock& control_;

@@ -108,6 +108,11 @@ class StreamExecutor final : public Executor {
     return staging_;
   }
 
+  size_t staging_slot_bytes() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return staging_slot_bytes_;
+  }
+
   void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) override {
     std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
     if (!device_) {  // nothing was issued: every collective of the call failed before
@@ -166,6 +171,7 @@ class StreamExecutor final : public Executor {
       const RingLayout ring = device_->ring();
       staging_ = device_->staging_kind() + "; " + std::to_string(ring.slots) + " slots of " +
                  std::to_string(ring.slot_bytes) + " bytes per rank";
+      staging_slot_bytes_ = ring.slot_bytes;
     }
     medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), device_->ring());
     runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
@@ -334,6 +340,7 @@ class StreamExecutor final : public Executor {
   std::unique_ptr<RoundRunner> runner_;
   mutable std::mutex mutex_;
   std::string staging_;  // set once the device is open
+  size_t staging_slot_bytes_ = 0;
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   bool stop_ = false;
