@@ -28,7 +28,8 @@ Times are medians over batches of the slowest rank, then medians over rounds.
 FSDP2's all-gathers and reduce-scatters, which it issues through torch.distributed's functions, are
 also timed at each call, in the step and in the replay, on a clock all ranks share: the time inside
 them splits into waiting for the peers to arrive (their compute ran longer; no backend can shorten
-that) and the time after the last rank arrived, which is the backend's.
+that) and the time after the last rank arrived, which is the backend's. Their CPU time on the
+calling thread tells, where ranks outnumber cores, work from waiting for a core.
 """
 from __future__ import annotations
 
