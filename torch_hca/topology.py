@@ -231,8 +231,9 @@ def hierarchy(group=None) -> Dict[str, object]:
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
     GPU), "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
-    cut larger packs into rounds, or None while "staging" is, "cost_model": the `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where
-    nothing is chosen}. Across nodes: this rank's node's group."""
+    cut larger packs into rounds, or None while "staging" is, "cost_model": the
+    `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where nothing is
+    chosen}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
 
