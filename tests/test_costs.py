@@ -1,6 +1,7 @@
 """The cost model that chooses an all-reduce's algorithm and num_packs per call (torch_hca.costs): its lines and the choice they
 make, the shipped table, a calibration cached per machine and world shape, and rank 0's model
 used by every rank whatever the others have cached or asked for."""
+import functools
 import json
 import os
 import pathlib
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from torch_hca import costs
+from torch_hca import costs, topology
 from harness import RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
 
@@ -116,7 +117,7 @@ def test_the_shipped_table_gives_what_its_machine_measured():
 def _model_in_use(rank, world):
     """The model this rank's group uses, how many packs it gives 1000 floats, and an all-reduce's
     result checked against the float64 reference."""
-    model = torch_hca.hierarchy()["cost_model"]
+    model = torch_hca.hierarchy()["cost_model"]["cpu"]
     inputs = [make_input(7, r, 1000, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.all_reduce(t)
@@ -159,3 +160,71 @@ def test_a_wrong_calibrate_value_on_rank_0_fails_every_rank_at_init():
     with pytest.raises(RankFailed) as failed:
         run_ranks(_nothing, 2, env_per_rank=[{"TORCH_HCA_CALIBRATE": "yes"}, {}], pg_timeout_s=600, deadline_s=60)
     assert str(failed.value).count("ValueError: hca: rank 0's TORCH_HCA_CALIBRATE='yes'") == 2, failed.value
+
+
+def test_cuda_tensors_get_the_shared_gpu_table_only_where_every_rank_reported_one_gpu():
+    """Ranks sharing one H200 measured: one pack as fast as the rest on 2 and 3 ranks (a tie keeps it),
+    reduce_to_one_device 11-38% faster on 4 (two steps, where one pack's hierarchy takes four), and
+    more ranks take the 4-rank table. A GPU per rank, an unknown GPU or one rank: no table."""
+    for world, want in [(2, "one_pack"), (3, "one_pack"), (4, "reduce_to_one_device"), (6, "reduce_to_one_device")]:
+        model = costs.for_cuda(["GPU-a"] * world)
+        assert [name for _, name in model.by_size()] == [want], (world, model.by_size())
+        assert f"{min(world, 4)} ranks sharing one NVIDIA H200" in model.origin
+    for gpus in (["a", "b"], ["a", "a", "b"], ["a", None], [None, None], ["a"], []):
+        assert costs.for_cuda(gpus) is None, gpus
+
+
+def _on_gpus(uuids, rank):
+    """Runs in each rank before init: its place reports GPU uuids[rank] (no GPU needed)."""
+    topology.MACHINE = lambda: topology.Machine(gpu=topology.GpuLinks(uuids[rank], frozenset(uuids)))
+
+
+def _choices_per_device(rank, world):
+    """For the world group (defaults), a group with num_packs fixed, and a split child: each
+    device's model as hierarchy() tells it, and the table the C++ group plans CUDA and CPU tensors
+    with; the all-reduce's plan explain shows for CUDA tensors of 1 MiB."""
+    out = {}
+    fixed = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
+    child = dist.new_subgroups_by_enumeration([list(range(world))], backend="hca")[0] if world > 1 else None
+    for name, group in (("world", dist.group.WORLD), ("fixed", fixed), ("child", child)):
+        if group is None:
+            continue
+        backend = group._get_backend(torch.device("cpu"))
+        models = torch_hca.hierarchy(group)["cost_model"]
+        plan = torch_hca.explain(numels=[1 << 18], group=group, device="cuda")
+        out[name] = {"cuda": models["cuda"] and models["cuda"].origin, "cpu": models["cpu"] and models["cpu"].origin,
+                     "cuda_by_size": backend.by_size(cuda=True), "cpu_by_size": backend.by_size(cuda=False),
+                     "chosen": plan.chosen}
+    inputs = [make_input(3, r, 1000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    out["wrong"] = mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), world)
+    return out
+
+
+@pytest.mark.parametrize("world, shared", [(4, True), (3, True), (4, False), (1, True)])
+def test_a_group_whose_ranks_share_a_gpu_plans_cuda_tensors_by_its_table(world, shared):
+    """The GPUs come from each rank's place at init (a fake machine here): the C++ group plans CUDA
+    tensors with the table of `costs.for_cuda` over them, the same on every rank, CPU tensors with
+    their own; fixed options choose nothing; a child split off keeps its parent's."""
+    uuids = ["GPU-0"] * world if shared else [f"GPU-{r}" for r in range(world)]
+    results = run_ranks(_choices_per_device, world, before_init=functools.partial(_on_gpus, uuids))
+    model = costs.for_cuda(uuids)
+    want = costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []
+    for out in results:
+        assert out == results[0] and out["wrong"] is None, out
+    world_group = results[0]["world"]
+    assert world_group["cuda_by_size"] == want and world_group["cuda"] == (model and model.origin), world_group
+    assert world_group["chosen"] == (model and model.choose(1 << 20)), world_group
+    if world > 1:
+        assert world_group["cpu"] and world_group["cpu_by_size"], world_group  # the CPU's own choice stays
+        assert results[0]["child"] == world_group, results[0]["child"]
+    assert results[0]["fixed"] == {"cuda": None, "cpu": None, "cuda_by_size": [], "cpu_by_size": [],
+                                   "chosen": None}, results[0]["fixed"]
+
+
+def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused():
+    with pytest.raises(ValueError, match="must start at 0 bytes"):
+        torch_hca._C.ProcessGroupHCA(store=dist.HashStore(), rank=0, size=2, timeout_ms=1000,
+                                     options=torch_hca.Options().plan_options(), shm_slot_bytes=1 << 20, shm_slots=2,
+                                     cuda_slot_bytes=0, cuda_slots=2, cuda_by_size=[(8, "direct", False)])

@@ -22,7 +22,7 @@ def _calibrate(_args):
     """On every rank: an hca group over them all, made with a calibration at its init."""
     os.environ["TORCH_HCA_CALIBRATE"] = "force"
     group = dist.new_group(backend="hca")
-    model = hierarchy(group)["cost_model"]
+    model = hierarchy(group)["cost_model"]["cpu"]
     if dist.get_rank() == 0:
         print(f"{dist.get_world_size()} ranks: {model.origin}")
         for name, line in model.lines.items():

@@ -7,10 +7,14 @@ gets the fastest predicted candidate where it is predicted at least 5% faster th
 tie keeps one pack, TF's default); the lines cross at a few sizes, so the choice is a short table
 of sizes that the plan reads per call. Only the candidates the user's options leave open compete:
 all three with neither option set; one pack or a pack per rank with algorithm="hierarchical_copy".
-The lines are fitted to measured times, from, in this order:
+The lines of CPU tensors are fitted to measured times, from, in this order:
 - a calibration cached for this machine and world shape (`python -m torch_hca.calibrate`, or
   TORCH_HCA_CALIBRATE=1 at init, which measures one where none is cached; "force" measures again);
 - else the table shipped with the package, measured on a 2-vCPU VM.
+CUDA tensors get a table of their own where every rank reported one and the same GPU at init (the
+ranks had set their device, as torchrun scripts do): there each step of a call costs about a switch
+between the processes that share the GPU, so the plans with fewer steps win. Elsewhere (a GPU per
+rank, never measured, or GPUs unknown at init) CUDA tensors keep one pack, TF's default.
 Rank 0 chooses the lines and every rank uses rank 0's, so that all make the same choice for every
 call (ranks that chose differently would run different plans). The cache is a JSON file per
 machine and world shape under TORCH_HCA_CACHE_DIR (default ~/.cache/torch_hca); delete it to go
@@ -64,6 +68,34 @@ SHIPPED_POINTS = {
         64 << 20: (29864.4, 24102.6, 30398.4, 35678.0)},
 }
 SHIPPED_MACHINE = "2 vCPUs"
+
+# `benchmarks/bench.py --device cuda --ops all_reduce --step 4` with 2, 3 and 4 ranks sharing one
+# NVIDIA H200 (torch 2.11, CUDA 13, 64 MiB staging slots; 2026-11-28, one run, µs per call, slowest
+# rank; benchmarks/results/NVIDIA_H200-cuda-ranks2_3_4-one-pack-2026-11-28.json), in CANDIDATES' order. At 3
+# ranks one pack and reduce_to_one_device run the same two steps; at 4, one pack's hierarchy takes
+# four steps where reduce_to_one_device takes two (11-38% faster here from 16 B up, as in the
+# 2026-11-27 run).
+SHIPPED_CUDA_POINTS = {
+    2: {4: (334.2, 331.6, 332.0, 332.2), 16: (335.0, 662.4, 332.5, 335.3), 64: (337.5, 660.6, 330.8, 333.6),
+        256: (336.8, 661.9, 328.2, 333.3), 1 << 10: (338.3, 661.9, 327.5, 335.0), 4 << 10: (339.2, 665.0, 330.5, 337.9),
+        16 << 10: (346.5, 666.2, 339.3, 349.7), 64 << 10: (380.8, 699.3, 371.0, 406.2),
+        256 << 10: (514.0, 835.4, 508.1, 638.8), 1 << 20: (1108.4, 1353.6, 1095.3, 1651.8),
+        4 << 20: (2233.2, 3505.8, 2260.5, 3354.8), 16 << 20: (3173.6, 6371.6, 3197.6, 4314.1),
+        64 << 20: (3394.4, 6644.9, 3413.7, 4900.1)},
+    3: {4: (770.8, 652.4, 779.2, 797.0), 16: (771.0, 1002.6, 779.6, 796.7), 64: (772.1, 1056.8, 779.3, 817.8),
+        256: (796.4, 1053.2, 780.1, 784.1), 1 << 10: (770.9, 1057.0, 779.6, 791.5), 4 << 10: (775.4, 1056.2, 779.8, 790.7),
+        16 << 10: (782.3, 1068.2, 790.8, 821.9), 64 << 10: (828.5, 1189.6, 834.1, 909.6),
+        256 << 10: (1005.2, 1729.9, 1014.5, 1268.9), 1 << 20: (1799.1, 4001.3, 1688.6, 2933.1),
+        4 << 20: (3694.2, 13097.8, 3714.6, 4221.0), 16 << 20: (5610.9, 25650.6, 5703.7, 7173.6),
+        64 << 20: (5914.5, 54729.1, 5975.0, 7689.0)},
+    4: {4: (1260.6, 1262.8, 1094.6, 1106.5), 16: (1260.8, 2095.0, 1079.9, 1112.8), 64: (1259.6, 2111.6, 1087.0, 1160.3),
+        256: (1259.8, 2106.9, 1100.0, 1109.2), 1 << 10: (1001.7, 2117.2, 1082.3, 1166.7),
+        4 << 10: (993.8, 2103.6, 952.3, 1171.6), 16 << 10: (1285.6, 2100.9, 966.2, 1196.1),
+        64 << 10: (1388.8, 2196.5, 1193.7, 1251.8), 256 << 10: (1793.4, 2622.8, 1506.2, 1723.7),
+        1 << 20: (3705.9, 4248.1, 2714.7, 3855.4), 4 << 20: (7137.1, 11758.0, 6355.4, 7260.8),
+        16 << 20: (10290.1, 27867.0, 9633.5, 9378.6), 64 << 20: (11123.8, 41493.5, 9522.0, 10269.5)},
+}
+SHIPPED_CUDA_MACHINE = "NVIDIA H200"
 
 # What a calibration times: each candidate at these sizes, REPS batches each after a warm-up call,
 # a batch being back-to-back calls for about BATCH_US (a group's threads that just ran a call still
@@ -176,9 +208,22 @@ def shipped(world: int, cpus: int) -> CostModel:
     """The shipped table's lines for `world` ranks on `cpus` CPUs between them: its 2 ranks where
     every rank has a CPU, else its 3 or 4 ranks (taking turns on 2 CPUs) for 3 or more."""
     measured = 2 if cpus >= world else min(max(world, 3), 4)
-    table = SHIPPED_POINTS[measured]
-    points = {name: [(b, times[i]) for b, times in table.items()] for i, name in enumerate(CANDIDATES)}
-    return fitted(points, f"the shipped table ({measured} ranks on {SHIPPED_MACHINE})")
+    return _table_model(SHIPPED_POINTS[measured], f"the shipped table ({measured} ranks on {SHIPPED_MACHINE})")
+
+
+def for_cuda(gpus: Sequence[Optional[str]]) -> Optional[CostModel]:
+    """The model of a group's CUDA tensors, from each rank's GPU as it reported it at init (a UUID,
+    None where unknown): the shipped table of as many ranks sharing one GPU (4 for more) where every
+    rank reported the same GPU; None (one pack) for one rank, a GPU per rank, or any GPU unknown."""
+    if len(gpus) < 2 or None in gpus or len(set(gpus)) != 1:
+        return None
+    measured = min(len(gpus), 4)
+    return _table_model(SHIPPED_CUDA_POINTS[measured],
+                        f"the shipped table of CUDA tensors ({measured} ranks sharing one {SHIPPED_CUDA_MACHINE})")
+
+
+def _table_model(table: Dict[int, Tuple[float, ...]], origin: str) -> CostModel:
+    return fitted({name: [(b, times[i]) for b, times in table.items()] for i, name in enumerate(CANDIDATES)}, origin)
 
 
 def calibrate_mode(environ=None) -> str:

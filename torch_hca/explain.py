@@ -102,7 +102,8 @@ def explain(
     defaults), what an allreduce of that size gets per call and the cost model's predicted time for
     each candidate, for ranks that run on `cpus` CPUs between them (default: the CPUs this process
     may run on): the model a group of them would use here (this machine's cached calibration, else the shipped table), or a
-    running group's. With `group` (a running hca process group), for its ranks: its size,
+    running group's; for CUDA tensors, a running group's only (chosen per call where its ranks
+    reported one and the same GPU at init, else one pack). With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
     `device`); the options are still the arguments'. Prints it if verbose."""
@@ -135,9 +136,8 @@ def explain(
         packs, text = _C.packs(numels, options.packing_options())
         plan = Plan(list(packs), text)
     else:
-        # CUDA tensors run the algorithm (default hierarchical_copy) with one pack until a GPU measured a choice.
-        names = costs.candidates(algorithm, num_packs) if world_size > 1 and device == "cpu" else ()
-        model = _cost_model(running, world_size, cpus, hierarchy.groups) if names else None
+        names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
+        model = _cost_model(running, device, world_size, cpus, hierarchy.groups) if names else None
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
@@ -156,11 +156,15 @@ def explain(
     return plan
 
 
-def _cost_model(running, world_size, cpus, groups) -> costs.CostModel:
-    """A running group's model; else the one a group of these ranks would get here, as rank 0
-    reads it (this machine's cached calibration, else the shipped table)."""
-    if running is not None and running["cost_model"]:
-        return running["cost_model"]
+def _cost_model(running, device, world_size, cpus, groups) -> Optional[costs.CostModel]:
+    """A running group's model of `device`'s tensors; else, for CPU tensors, the one a group of
+    these ranks would get here, as rank 0 reads it (this machine's cached calibration, else the
+    shipped table). CUDA tensors' depends on the ranks' GPUs, which only a running group whose
+    ranks share one knows: None (one pack) otherwise."""
+    if running is not None and running["cost_model"][device]:
+        return running["cost_model"][device]
+    if device == "cuda":
+        return None
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 

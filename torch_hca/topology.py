@@ -231,9 +231,9 @@ def hierarchy(group=None) -> Dict[str, object]:
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
     GPU), "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
-    cut larger packs into rounds, or None while "staging" is, "cost_model": the
-    `torch_hca.costs.CostModel` that chooses its all-reduces per call, or None where nothing is
-    chosen}. Across nodes: this rank's node's group."""
+    cut larger packs into rounds, or None while "staging" is, "cost_model": {"cpu": ..., "cuda": ...}:
+    the `torch_hca.costs.CostModel` that chooses each device's all-reduces per call, or None where
+    nothing is chosen}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
 
@@ -251,9 +251,8 @@ def hierarchy(group=None) -> Dict[str, object]:
             "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")},
             "staging_slot_bytes": {device: backend.staging_slot_bytes(cuda=device == "cuda") or None
                                    for device in ("cpu", "cuda")},
-            "cost_model": _cost_model(backend.cost_model)}
+            "cost_model": _cost_models(backend.cost_model)}
 
 
-def _cost_model(text):
-    d = json.loads(text)
-    return CostModel.from_json(d) if d else None
+def _cost_models(text):
+    return {device: CostModel.from_json(d) if d else None for device, d in json.loads(text).items()}

@@ -122,6 +122,23 @@ py::list rounds_to_python(const std::vector<Round>& rounds) {
   return out;
 }
 
+// An all-reduce's choice per call as Python passes it: (from bytes, algorithm, a pack per rank).
+using ChoiceRows = std::vector<std::tuple<long long, std::string, bool>>;
+
+std::vector<SizeChoice> size_choices(const ChoiceRows& rows) {
+  std::vector<SizeChoice> choices;
+  for (const auto& [from_bytes, algorithm, pack_per_rank] : rows) {
+    choices.push_back({from_bytes, parse_algorithm(algorithm), pack_per_rank});
+  }
+  return choices;
+}
+
+ChoiceRows choice_rows(const std::vector<SizeChoice>& choices) {
+  ChoiceRows rows;
+  for (const auto& c : choices) rows.emplace_back(c.from_bytes, algorithm_name(c.algorithm), c.pack_per_rank);
+  return rows;
+}
+
 std::vector<TensorDesc> float32_tensors(const std::vector<size_t>& numels) {
   std::vector<TensorDesc> tensors;
   for (size_t n : numels) tensors.push_back({DType::F32, n});
@@ -164,13 +181,11 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PlanOptions>(m, "PlanOptions")
       .def(py::init([](const std::string& algorithm, const PackingOptions& packing,
                        std::optional<int> reduce_to_device, const Groups& groups,
-                       const std::vector<std::tuple<long long, std::string, bool>>& by_size) {
+                       const ChoiceRows& by_size) {
              PlanOptions options;
              options.algorithm = parse_algorithm(algorithm);
              options.packing = packing;
-             for (const auto& [from_bytes, chosen, pack_per_rank] : by_size) {
-               options.by_size.push_back({from_bytes, parse_algorithm(chosen), pack_per_rank});
-             }
+             options.by_size = size_choices(by_size);
              if (reduce_to_device && *reduce_to_device < 0) {
                throw std::invalid_argument("reduce_to_device: must be a rank (>= 0), got " +
                                            std::to_string(*reduce_to_device));
@@ -181,7 +196,7 @@ PYBIND11_MODULE(_C, m) {
              return options;
            }),
            py::arg("algorithm"), py::arg("packing"), py::arg("reduce_to_device"), py::arg("groups"),
-           py::arg("by_size") = std::vector<std::tuple<long long, std::string, bool>>{})
+           py::arg("by_size") = ChoiceRows{})
       .def("validate_for", [](const PlanOptions& o, int world) { validate(o, world); }, py::arg("world_size"))
       .def(
           "validate_across_nodes",
@@ -191,17 +206,13 @@ PYBIND11_MODULE(_C, m) {
           py::arg("node_identities"))
       .def_property_readonly("algorithm", [](const PlanOptions& o) { return algorithm_name(o.algorithm); })
       .def_readonly("packing", &PlanOptions::packing)
-      .def_property_readonly("by_size", [](const PlanOptions& o) {
-        std::vector<std::tuple<long long, std::string, bool>> out;
-        for (const auto& c : o.by_size) out.emplace_back(c.from_bytes, algorithm_name(c.algorithm), c.pack_per_rank);
-        return out;
-      });
+      .def_property_readonly("by_size", [](const PlanOptions& o) { return choice_rows(o.by_size); });
 
   py::class_<ProcessGroupHCA, c10d::Backend, GilFreeDestroy<ProcessGroupHCA>>(m, "ProcessGroupHCA")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
                        int cuda_slots, bool cuda_host_staging, const std::string& cpu_executor,
-                       const Groups& cuda_groups) {
+                       const Groups& cuda_groups, const ChoiceRows& cuda_by_size) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
                cpu = CpuExecutor::HostStreams;
@@ -211,11 +222,13 @@ PYBIND11_MODULE(_C, m) {
              }
              return GilFreeDestroy(c10::make_intrusive<ProcessGroupHCA>(
                  store, rank, size, std::chrono::milliseconds(timeout_ms), options, shm_slot_bytes, shm_slots,
-                 cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu, cuda_groups));
+                 cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu, cuda_groups,
+                 size_choices(cuda_by_size)));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
            py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
+           py::arg("cuda_by_size") = ChoiceRows{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm",
                              [](const ProcessGroupHCA& pg) -> std::string {
@@ -225,6 +238,12 @@ PYBIND11_MODULE(_C, m) {
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def_property("cost_model", &ProcessGroupHCA::cost_model, &ProcessGroupHCA::set_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
+      .def(
+          "by_size",
+          [](const ProcessGroupHCA& pg, bool cuda) {
+            return choice_rows(cuda ? pg.cuda_options().by_size : pg.options().by_size);
+          },
+          py::arg("cuda"))
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("staging_slot_bytes", &ProcessGroupHCA::staging_slot_bytes, py::arg("cuda"),
            py::call_guard<py::gil_scoped_release>())

@@ -14,7 +14,7 @@ namespace hca {
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
                                  int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor,
-                                 Groups cuda_groups)
+                                 Groups cuda_groups, std::vector<SizeChoice> cuda_by_size)
     : c10d::Backend(rank, size),
       options_(std::move(options)),
       cuda_options_(options_),
@@ -25,9 +25,8 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       cpu_executor_kind_(cpu_executor),
       store_(store) {
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
-  // A choice per call follows measurements of the CPU path; on CUDA tensors the base algorithm
-  // with one pack (TF's default) until a GPU has measured the choice.
-  cuda_options_.by_size.clear();
+  // The CPU path's choice per call does not hold for devices: theirs is measured apart.
+  cuda_options_.by_size = std::move(cuda_by_size);
   try {
     validate(options_, size);
     validate(cuda_options_, size);
@@ -162,7 +161,8 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   const int rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), getRank()) - ranks.begin());
   auto group = c10::make_intrusive<ProcessGroupHCA>(store, rank, static_cast<int>(ranks.size()), timeout,
                                                     std::move(options), shm_slot_bytes_, shm_slots_, cuda_config_,
-                                                    cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks));
+                                                    cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks),
+                                                    cuda_options_.by_size);
   std::string parent_ranks;
   for (int r : ranks) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +

@@ -33,11 +33,13 @@ enum class CpuExecutor { SharedMemory, HostStreams };
 class ProcessGroupHCA : public c10d::Backend {
  public:
   // `options` must have been validated (validate(options, size) runs again here);
-  // their groups serve CPU tensors, `cuda_groups` (empty: the same) CUDA tensors.
+  // they serve CPU tensors. CUDA tensors follow them but for their groups,
+  // `cuda_groups` (empty: the same), and their all-reduce's choice per call,
+  // `cuda_by_size` (empty: none, the options' algorithm and packing).
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
                   cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory,
-                  Groups cuda_groups = {});
+                  Groups cuda_groups = {}, std::vector<SizeChoice> cuda_by_size = {});
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
@@ -55,6 +57,7 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
                                            const c10::intrusive_ptr<Options>& opts) override;
   const PlanOptions& options() const { return options_; }
+  const PlanOptions& cuda_options() const { return cuda_options_; }
   // The hierarchy's groups that plans for CPU or CUDA tensors follow.
   const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
   // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
@@ -257,7 +260,7 @@ class ProcessGroupHCA : public c10d::Backend {
   PlanOptions options_;       // CPU tensors
   PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups
   std::string hierarchy_;
-  std::string cost_model_ = "null";
+  std::string cost_model_ = R"({"cpu": null, "cuda": null})";
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   size_t shm_slot_bytes_;
