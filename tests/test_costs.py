@@ -194,7 +194,9 @@ def _choices_per_device(rank, world):
         plan = torch_hca.explain(numels=[1 << 18], group=group, device="cuda")
         out[name] = {"cuda": models["cuda"] and models["cuda"].origin, "cpu": models["cpu"] and models["cpu"].origin,
                      "cuda_by_size": backend.by_size(cuda=True), "cpu_by_size": backend.by_size(cuda=False),
-                     "chosen": plan.chosen}
+                     "chosen": plan.chosen,
+                     # explain shows the group's own hierarchy (found at init), not its groups as if given
+                     "its_hierarchy": plan.hierarchy == torch_hca.hierarchy(group)["cuda"]}
     inputs = [make_input(3, r, 1000, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.all_reduce(t)
@@ -220,7 +222,8 @@ def test_a_group_whose_ranks_share_a_gpu_plans_cuda_tensors_by_its_table(world, 
         assert world_group["cpu"] and world_group["cpu_by_size"], world_group  # the CPU's own choice stays
         assert results[0]["child"] == world_group, results[0]["child"]
     assert results[0]["fixed"] == {"cuda": None, "cpu": None, "cuda_by_size": [], "cpu_by_size": [],
-                                   "chosen": None}, results[0]["fixed"]
+                                   "chosen": None, "its_hierarchy": True}, results[0]["fixed"]
+    assert world_group["its_hierarchy"], world_group
 
 
 def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused():

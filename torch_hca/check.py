@@ -148,11 +148,26 @@ def world_report(args):
                                       incomplete=len({len(m) for m in everyone}) > 1 or any(
                                           "raised" in f for f in failures.values()))
     report["seconds"] = time.perf_counter() - started
-    shown = Options.from_env()
-    report["explain"] = str(torch_hca.explain(world, shown.algorithm, shown.num_packs, numels=[1 << 18], device=dev.type))
+    report["explain"] = explained(Options.from_env(), world, dev, args.timeout)
     if rank == 0:
         with open(args.report, "w") as f:
             json.dump(report, f)
+
+
+def explained(shown, world, dev, timeout_s):
+    """explain's plan of a 1 MiB all_reduce under the options `shown`, for a running group of them that
+    has staged once: its slot, its staging and (CUDA tensors) its choice depend on where the ranks
+    run, which explain alone cannot know. The nccl pass-through has no such group: its packing."""
+    import torch_hca
+
+    if shown.algorithm == "nccl":
+        return str(torch_hca.explain(world, "nccl", shown.num_packs, numels=[1 << 18], device=dev.type))
+    group = dist.new_group(backend="hca", pg_options=shown, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.all_reduce(torch.ones(1, device=dev), group=group)
+    text = str(torch_hca.explain(world, shown.algorithm, shown.num_packs, numels=[1 << 18], device=dev.type,
+                                 group=group))
+    dist.destroy_process_group(group)
+    return text
 
 
 def verdict(reports, log_path):

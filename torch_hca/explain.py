@@ -110,18 +110,20 @@ def explain(
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
     running = topology.hierarchy(group) if group is not None else None
+    found = None  # the running group's hierarchy, where its groups are the plan's
     if running is not None:
         size = group.size()
         if world_size not in (None, size):
             raise ValueError(f"world_size: {world_size}, but the group has {size} ranks")
         world_size = size
         if groups == "auto":
-            groups = running[device].groups
+            found = running[device]
+            groups = found.groups
     elif world_size is None:
         raise ValueError("explain: give world_size, or a running group")
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
-    hierarchy = _hierarchy(options.groups, world_size, numa_nodes, packages)
+    hierarchy = found or _hierarchy(options.groups, world_size, numa_nodes, packages)
     numels = [int(n) for n in numels]
     identities = None if nodes is None else [str(n) for n in nodes]
     if identities is not None and len(identities) != world_size:
