@@ -9,7 +9,8 @@ launch of its own, fresh processes with one intra-op thread each; the launches a
 order and then in reverse, for `--rounds` rounds. In each launch the ranks time, in batches that
 alternate so that all see the same moments of the machine:
 
-  step   a training step (forward, backward, optimizer) under the wrapper, with its communication;
+  step   a training step (forward, backward, optimizer) under the wrapper, with its communication
+         (DDP's through torch's allreduce_hook, as below);
   local  the same step without communication: DDP under no_sync(); for FSDP2, the same model
          unsharded and unwrapped (FSDP2 has no step without its all-gathers), on the same batch;
   bookkeeping  the wrapper's step without a peer: DDP with a comm hook that communicates nothing
@@ -25,11 +26,15 @@ pass). It splits into the wrapper's own work (bookkeeping - local, the same for 
 principle) and the collectives inside the step (step - bookkeeping; in_step = that / alone).
 Times are medians over batches of the slowest rank, then medians over rounds.
 
-FSDP2's all-gathers and reduce-scatters, which it issues through torch.distributed's functions, are
-also timed at each call, in the step and in the replay, on a clock all ranks share: the time inside
-them splits into waiting for the peers to arrive (their compute ran longer; no backend can shorten
-that) and the time after the last rank arrived, which is the backend's. Their CPU time on the
-calling thread tells, where ranks outnumber cores, work from waiting for a core.
+The collectives are also timed at each call, in the step and in the replay, on a clock all ranks
+share: FSDP2's all-gathers and reduce-scatters, which it issues through torch.distributed's
+functions, and DDP's all-reduces, which its step issues through torch's allreduce_hook (DDP's
+default, written in Python) for that reason. The time inside them splits into waiting for the peers
+to arrive (their compute ran longer; no backend can shorten that) and the time after the last rank
+arrived, which is the backend's. DDP's run while the backward pass computes, so for them the part
+after the last arrival is the step's wait: from the last rank's last bucket (its backward pass
+done) to the end of the last all-reduce. The CPU time of the calling thread in them tells, where
+ranks outnumber cores, work from waiting for a core (FSDP2's; DDP's is the time to issue them).
 """
 from __future__ import annotations
 
@@ -99,13 +104,20 @@ def contenders(world):
 
 @contextlib.contextmanager
 def observed_collectives(observe):
-    """Inside, each all-gather / reduce-scatter issued through torch.distributed's module (as FSDP2
-    issues them) runs as observe(kind, output, input, async_op, call), which returns call()'s work."""
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+    """Inside, each all-reduce / all-gather / reduce-scatter issued through torch.distributed's module
+    (as FSDP2 and DDP's Python comm hooks issue them) runs as observe(kind, output, input, async_op,
+    call), which returns call()'s work."""
+    names = [n for n in ("all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                          "reduce_scatter_tensor") if hasattr(dist, n)]
     originals = {n: getattr(dist, n) for n in names}
 
     def observed(name):
+        if name == "all_reduce":
+            def reduce(tensor, *args, **kwargs):
+                return observe("allreduce", tensor, tensor, kwargs.get("async_op", False),
+                               lambda: originals[name](tensor, *args, **kwargs))
+            return reduce
+
         def call(output, input, *args, **kwargs):
             return observe("gather" if "gather" in name else "scatter", output, input, kwargs.get("async_op", False),
                            lambda: originals[name](output, input, *args, **kwargs))
@@ -130,42 +142,67 @@ def recorded_collectives(calls):
 
 
 def timed_collectives(spans):
-    """Appends (entered, left, cpu) for each collective issued inside: entry and exit in
-    time.monotonic_ns, one clock for every process of the machine (left is -1 for an async one, whose
-    wait is elsewhere), and the ns of CPU time this thread spent in the call (hca runs its CPU
-    collectives on the caller's thread; gloo on threads of its own, which this does not see)."""
+    """Appends [entered, left, cpu, async] for each collective issued inside: entry and end in
+    time.monotonic_ns, one clock for every process of the machine (an async one's end is when its
+    Future completes, filled in then), the ns of CPU time this thread spent issuing it (hca runs its
+    blocking CPU collectives on the caller's thread; gloo on threads of its own, which this does not
+    see), and 1 where it was async."""
     def time_it(kind, output, input, async_op, call):
         entered, cpu = time.monotonic_ns(), time.thread_time_ns()
         work = call()
-        cpu = time.thread_time_ns() - cpu
-        spans.append((entered, -1 if async_op else time.monotonic_ns(), cpu))
+        span = [entered, -1, time.thread_time_ns() - cpu, int(async_op)]
+        if async_op:
+            work.get_future().then(lambda _: span.__setitem__(1, time.monotonic_ns()))
+        else:
+            span[1] = time.monotonic_ns()
+        spans.append(span)
         return work
     return observed_collectives(time_it)
 
 
+def timed(spans, run):
+    """run, its collectives timed into `spans` (timed_collectives)."""
+    def call():
+        with timed_collectives(spans):
+            run()
+    return call
+
+
 def meeting_times(spans, calls_made, group):
     """meeting_split of every rank's spans (this rank's: as timed_collectives appended them)."""
-    mine = torch.tensor(spans, dtype=torch.int64).view(-1, 3)
+    mine = torch.tensor(spans, dtype=torch.int64).view(-1, 4)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
-    return meeting_split(*torch.stack(every).unbind(-1), calls_made)
+    *columns, issued_async = torch.stack(every).unbind(-1)
+    return meeting_split(*columns, calls_made, overlapped=bool(issued_async.any()))
 
 
-def meeting_split(entered, left, cpu, calls_made):
-    """From each rank's (rows) entry and exit times and CPU time (ns) in each collective (columns,
+def meeting_split(entered, left, cpu, calls_made, overlapped=False):
+    """From each rank's (rows) entry and end times and CPU time (ns) in each collective (columns,
     `calls_made` calls of a mode in a row, each issuing the same number): per call, ms, medians over
     the calls of the rank that spent longest, the time inside the collectives, the part of it after
-    the last rank arrived at each (the rest is waiting for peers' compute, which no backend shortens),
-    and the CPU time in them (where ranks outnumber cores, a rank waiting for a core inside a
-    collective costs the step nothing while the core computes for another rank)."""
+    the last rank arrived (the rest is waiting for peers' compute, which no backend shortens), and
+    the CPU time issuing them (where ranks outnumber cores, a rank waiting for a core inside a
+    collective costs the step nothing while the core computes for another rank). Blocking
+    collectives add up; `overlapped` ones (async, as DDP's buckets, in flight while the backward pass
+    computes) do not: inside is from the first entry to the last end, and after the last arrival
+    from the last rank's entry into the call's last collective (its backward pass done) to the last
+    end: what the step waits for beyond its compute."""
     if entered.numel() == 0 or (left < 0).any():
         return dict.fromkeys(("inside_ms", "after_last_arrival_ms", "cpu_ms"), float("nan"))
-    last_arrival = entered.max(dim=0).values
 
-    def per_call(ns):
-        return ns.view(len(ns), calls_made, -1).sum(-1).max(dim=0).values.double().median().item() / 1e6
-    return dict(inside_ms=per_call(left - entered), after_last_arrival_ms=per_call((left - last_arrival).clamp(min=0)),
-                cpu_ms=per_call(cpu))
+    def per_call(ns):  # ranks x calls -> ms: the slowest rank's, median over the calls
+        return ns.max(dim=0).values.double().median().item() / 1e6
+
+    def calls(ns):
+        return ns.view(len(ns), calls_made, -1)
+    if overlapped:
+        ends = calls(left).max(-1).values
+        last_arrival = calls(entered)[..., -1].max(dim=0).values
+        inside, after = ends - calls(entered).min(-1).values, (ends - last_arrival).clamp(min=0)
+    else:
+        inside, after = calls(left - entered).sum(-1), calls((left - entered.max(dim=0).values).clamp(min=0)).sum(-1)
+    return dict(inside_ms=per_call(inside), after_last_arrival_ms=per_call(after), cpu_ms=per_call(calls(cpu).sum(-1)))
 
 
 def replay(calls):
@@ -201,15 +238,19 @@ def training_step(model, opt, batch):
 
 def ddp_modes(model, batches, world, bucket_view=False):
     """DDP's step, its no_sync() step, its step with a comm hook that communicates nothing (DDP's own
-    bucket copies and bookkeeping), and its buckets all-reduced alone."""
+    bucket copies and bookkeeping), and its buckets all-reduced alone. The step's hook is torch's
+    allreduce_hook, DDP's default in Python (all-reduce each bucket, then divide), so that its
+    all-reduces go through torch.distributed's function and are timed at each call."""
     import copy
 
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     bookkeeping = DDP(copy.deepcopy(model), gradient_as_bucket_view=bucket_view)
     bookkeeping.register_comm_hook(None, lambda state, bucket: completed(bucket.buffer()))
     bookkeeping_opt = torch.optim.SGD(bookkeeping.parameters(), lr=1e-4)
     ddp = DDP(model, gradient_as_bucket_view=bucket_view)
+    ddp.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
 
     def local():
@@ -222,9 +263,11 @@ def ddp_modes(model, batches, world, bucket_view=False):
     info = ddp._get_ddp_logging_data()
     sizes = [int(s) for s in str(info.get("rebuilt_bucket_sizes") or info["bucket_sizes"]).split(",")]
     calls = [("allreduce", nbytes // 4, nbytes // 4, torch.float32, True) for nbytes in sizes]
-    return (dict(step=step, local=local, bookkeeping=lambda: training_step(bookkeeping, bookkeeping_opt, next(batches)),
-                 alone=replay(calls)),
-            dict(buckets=len(sizes), bytes=sum(sizes), bucket_bytes=sizes))
+    spans = dict(step=[], alone=[])
+    return (dict(step=timed(spans["step"], step), local=local,
+                 bookkeeping=lambda: training_step(bookkeeping, bookkeeping_opt, next(batches)),
+                 alone=timed(spans["alone"], replay(calls))),
+            dict(buckets=len(sizes), bytes=sum(sizes), bucket_bytes=sizes, spans=spans))
 
 
 def completed(value):
@@ -261,14 +304,8 @@ def fsdp2_modes(model, batches, world):
         step()
     moved = sum(out * dtype.itemsize for kind, out, inp, dtype, async_op in calls)
     spans = dict(step=[], alone=[])
-
-    def timed(mode, run):
-        def call():
-            with timed_collectives(spans[mode]):
-                run()
-        return call
-    return (dict(step=timed("step", step), local=lambda: training_step(plain, plain_opt, next(batches)),
-                 bookkeeping=bookkeeping, alone=timed("alone", replay(calls))),
+    return (dict(step=timed(spans["step"], step), local=lambda: training_step(plain, plain_opt, next(batches)),
+                 bookkeeping=bookkeeping, alone=timed(spans["alone"], replay(calls))),
             dict(collectives=len(calls), bytes=moved, spans=spans,
                  calls=[[kind, out, inp, str(dtype), async_op] for kind, out, inp, dtype, async_op in calls]))
 
@@ -338,7 +375,7 @@ def summarize(rows):
         row["in_step_ms"] = statistics.median(r["step_ms"] - r["bookkeeping_ms"] for r in runs)
         row["share"] = row["comm_ms"] / row["alone_ms"]
         row["in_step_share"] = row["in_step_ms"] / row["alone_ms"]
-        for m in TIMED_AT_EACH_CALL:  # FSDP2's only: DDP's all-reduces are issued inside its reducer
+        for m in TIMED_AT_EACH_CALL:
             row[m] = statistics.median(r.get(m, float("nan")) for r in runs)
         row["after_arrival_share"] = (row["step_collectives_after_last_arrival_ms"] /
                                       row["alone_collectives_after_last_arrival_ms"])
@@ -369,7 +406,8 @@ def print_meetings(table):
     if not rows:
         return
     print("\n# collectives timed at each call, ms per step: inside them, after the last rank arrived (the rest "
-          "waited for peers' compute), and their CPU time on the calling thread (gloo's is on threads of its own)")
+          "waited for peers' compute; DDP: from the last rank's last bucket to the last all-reduce's end), and their "
+          "CPU time on the calling thread (gloo's is on threads of its own; DDP: issuing them)")
     print("| ranks | model | wrapper | contender | in step: inside | waiting for peers | after last arrival | CPU "
           "| alone: inside | after last arrival | CPU | after last arrival, in step/alone | CPU, in step/alone |")
     print("|" + "---|" * 13)

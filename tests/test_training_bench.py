@@ -27,6 +27,8 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
         assert all(r[f"{m}_ms"] > 0 for m in ("step", "local", "bookkeeping", "alone")), r
         if r["wrapper"] == "ddp":
             assert sum(r["bucket_bytes"]) == r["bytes"] == 4 * sum(numels)
+            for mode in ("step", "alone"):  # DDP's buckets, timed at each call through torch's allreduce_hook
+                assert 0 <= r[f"{mode}_collectives_after_last_arrival_ms"] <= r[f"{mode}_collectives_inside_ms"], r
         else:
             gathers = [c for c in r["calls"] if c[0] == "gather"]
             scatters = [c for c in r["calls"] if c[0] == "scatter"]
@@ -56,5 +58,24 @@ def test_meeting_split_separates_waiting_for_peers_from_the_collectives_time():
     # After the last arrival: 3 ms per call, 4 in rank 1's second call; torch's median of (3, 4) is 3.
     assert split["after_last_arrival_ms"] == pytest.approx(3.0)
     assert split["cpu_ms"] == pytest.approx(3.0)  # the most per call: 3 (rank 0), then 5 (rank 1)
-    untimed = training.meeting_split(entered, left.clone().fill_(-1), cpu, 2)  # async calls
-    assert all(math.isnan(v) for v in untimed.values())
+    unfinished = training.meeting_split(entered, left.clone().fill_(-1), cpu, 2)  # an end never seen
+    assert all(math.isnan(v) for v in unfinished.values())
+
+
+def test_meeting_split_of_overlapped_collectives_counts_the_steps_wait_once():
+    # DDP's buckets: 2 ranks, 2 calls of a mode, 2 async all-reduces each, in flight together.
+    # Call 1: the buckets enter at 0 and 5 (rank 0) and 1 and 8 (rank 1: its backward ran longer);
+    # they end at 9 and 10 on both. Call 2: entries 100/104 and 100/103, ends 106/107 and 106/109.
+    ms = 1_000_000
+    entered = torch.tensor([[0, 5, 100, 104], [1, 8, 100, 103]]) * ms
+    left = torch.tensor([[9, 10, 106, 107], [9, 10, 106, 109]]) * ms
+    cpu = torch.tensor([[1, 1, 1, 1], [1, 1, 2, 1]]) * ms
+    split = training.meeting_split(entered, left, cpu, calls_made=2, overlapped=True)
+    # Inside, first entry to last end: call 1 10 and 9 ms (slowest 10); call 2 7 and 9 (9); torch's
+    # median of two is the lower: 9.
+    assert split["inside_ms"] == pytest.approx(9.0)
+    # The step's wait, from the last rank's last bucket (8, then 104) to the last end: call 1 2 and 2,
+    # call 2 3 and 5: slowest 2 and 5, median 2. Added up per collective, as for blocking ones, call 1
+    # would count 8 + 2 ms after the last arrivals (at 1, then 8) and call 2 6 + 5: the overlap twice.
+    assert split["after_last_arrival_ms"] == pytest.approx(2.0)
+    assert split["cpu_ms"] == pytest.approx(2.0)  # issuing: 2 and 2, then 2 and 3
