@@ -175,8 +175,10 @@ def test_cuda_tensors_get_the_shared_gpu_table_only_where_every_rank_reported_on
 
 
 def _on_gpus(uuids, rank):
-    """Runs in each rank before init: its place reports GPU uuids[rank] (no GPU needed)."""
-    topology.MACHINE = lambda: topology.Machine(gpu=topology.GpuLinks(uuids[rank], frozenset(uuids)))
+    """Runs in each rank before init: its place reports GPU uuids[rank] (no GPU needed; None: none
+    known, as where the rank had not initialized CUDA)."""
+    links = None if uuids[rank] is None else topology.GpuLinks(uuids[rank], frozenset(u for u in uuids if u))
+    topology.MACHINE = lambda: topology.Machine(gpu=links)
 
 
 def _choices_per_device(rank, world):
@@ -204,12 +206,18 @@ def _choices_per_device(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world, shared", [(4, True), (3, True), (4, False), (1, True)])
-def test_a_group_whose_ranks_share_a_gpu_plans_cuda_tensors_by_its_table(world, shared):
+GPU_LAYOUTS = {"shared": lambda world: ["GPU-0"] * world, "a GPU each": lambda world: [f"GPU-{r}" for r in range(world)],
+               "one rank's unknown": lambda world: ["GPU-0"] * (world - 1) + [None]}
+
+
+@pytest.mark.parametrize("world, layout", [(4, "shared"), (3, "shared"), (4, "a GPU each"), (3, "one rank's unknown"),
+                                           (1, "shared")])
+def test_a_group_whose_ranks_share_a_gpu_plans_cuda_tensors_by_its_table(world, layout):
     """The GPUs come from each rank's place at init (a fake machine here): the C++ group plans CUDA
-    tensors with the table of `costs.for_cuda` over them, the same on every rank, CPU tensors with
-    their own; fixed options choose nothing; a child split off keeps its parent's."""
-    uuids = ["GPU-0"] * world if shared else [f"GPU-{r}" for r in range(world)]
+    tensors with the table of `costs.for_cuda` over them, the same on every rank (also where one
+    rank did not know its GPU: none then), CPU tensors with their own; fixed options choose
+    nothing; a child split off keeps its parent's."""
+    uuids = GPU_LAYOUTS[layout](world)
     results = run_ranks(_choices_per_device, world, before_init=functools.partial(_on_gpus, uuids))
     model = costs.for_cuda(uuids)
     want = costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []
