@@ -160,13 +160,14 @@ def explained(shown, world, dev, timeout_s):
     run, which explain alone cannot know. The nccl pass-through has no such group: its packing."""
     import torch_hca
 
-    if shown.algorithm == "nccl":
-        return str(torch_hca.explain(world, "nccl", shown.num_packs, numels=[1 << 18], device=dev.type))
-    group = dist.new_group(backend="hca", pg_options=shown, timeout=datetime.timedelta(seconds=timeout_s))
-    dist.all_reduce(torch.ones(1, device=dev), group=group)
+    group = None
+    if shown.algorithm != "nccl":
+        group = dist.new_group(backend="hca", pg_options=shown, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.all_reduce(torch.ones(1, device=dev), group=group)
     text = str(torch_hca.explain(world, shown.algorithm, shown.num_packs, numels=[1 << 18], device=dev.type,
                                  group=group))
-    dist.destroy_process_group(group)
+    if group is not None:
+        dist.destroy_process_group(group)
     return text
 
 
