@@ -66,6 +66,7 @@ void ProcessGroupHCA::self_test_once(const at::Device& device) {
   for (Algorithm mode : {Algorithm::HierarchicalCopy, Algorithm::ReduceToOneDevice, Algorithm::Direct}) {
     PlanOptions options = options_for(device);
     options.algorithm = mode;
+    options.by_size.clear();  // a table would choose for every mode alike
     const std::string name = std::string(algorithm_name(mode));
     auto summed = misaligned_copy(pattern(getRank() + 1, 0), device);
     auto broadcast = misaligned_copy(getRank() == root ? pattern(-1, -0.25) : pattern(getRank() + 1, 0), device);
