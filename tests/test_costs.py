@@ -1,19 +1,20 @@
 """The cost model that chooses an all-reduce's algorithm and num_packs per call (torch_hca.costs): its lines and the choice they
 make, the shipped table, a calibration cached per machine and world shape, and rank 0's model
 used by every rank whatever the others have cached or asked for."""
-import functools
+import datetime
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import torch_hca
-from torch_hca import costs, topology
+from torch_hca import costs
 from harness import RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
 
@@ -162,43 +163,44 @@ def test_a_wrong_calibrate_value_on_rank_0_fails_every_rank_at_init():
     assert str(failed.value).count("ValueError: hca: rank 0's TORCH_HCA_CALIBRATE='yes'") == 2, failed.value
 
 
-def test_cuda_tensors_get_the_shared_gpu_table_only_where_every_rank_reported_one_gpu():
+def test_cuda_tensors_of_ranks_sharing_one_gpu_get_its_table():
     """Ranks sharing one H200 measured: one pack as fast as the rest on 2 and 3 ranks (a tie keeps it),
     reduce_to_one_device 11-38% faster on 4 (two steps, where one pack's hierarchy takes four), and
-    more ranks take the 4-rank table. A GPU per rank, an unknown GPU or one rank: no table."""
+    more ranks take the 4-rank table. One rank: no table."""
     for world, want in [(2, "one_pack"), (3, "one_pack"), (4, "reduce_to_one_device"), (6, "reduce_to_one_device")]:
-        model = costs.for_cuda(["GPU-a"] * world)
+        model = costs.sharing_one_gpu(world)
         assert [name for _, name in model.by_size()] == [want], (world, model.by_size())
         assert f"{min(world, 4)} ranks sharing one NVIDIA H200" in model.origin
-    for gpus in (["a", "b"], ["a", "a", "b"], ["a", None], [None, None], ["a"], []):
-        assert costs.for_cuda(gpus) is None, gpus
+    assert costs.sharing_one_gpu(1) is None
 
 
-def _on_gpus(uuids, rank):
-    """Runs in each rank before init: its place reports GPU uuids[rank] (no GPU needed; None: none
-    known, as where the rank had not initialized CUDA)."""
-    links = None if uuids[rank] is None else topology.GpuLinks(uuids[rank], frozenset(u for u in uuids if u))
-    topology.MACHINE = lambda: topology.Machine(gpu=links)
+def _cuda_choice(group):
+    """A group's CUDA tensors as hierarchy() and explain tell them (a 1 MiB all-reduce), and the
+    table its C++ group plans them with."""
+    backend = group._get_backend(torch.device("cpu"))
+    model = torch_hca.hierarchy(group)["cost_model"]["cuda"]
+    plan = torch_hca.explain(numels=[1 << 18], group=group, device="cuda")
+    return {"cuda": model and model.origin, "cuda_by_size": backend.by_size(cuda=True), "chosen": plan.chosen,
+            # explain shows the group's own hierarchy (found at init), not its groups as if given
+            "its_hierarchy": plan.hierarchy == torch_hca.hierarchy(group)["cuda"]}
 
 
-def _choices_per_device(rank, world):
-    """For the world group (defaults), a group with num_packs fixed, and a split child: each
-    device's model as hierarchy() tells it, and the table the C++ group plans CUDA and CPU tensors
-    with; the all-reduce's plan explain shows for CUDA tensors of 1 MiB."""
+def _choices_per_device(rank, world, gpus):
+    """For the world group (defaults), a group with num_packs fixed, and a child split off over all
+    ranks but the last: each one's CUDA choice before and after its first CUDA collective asked
+    where every rank's tensors are (this rank's: GPU gpus[rank]; no GPU needed), and its CPU table."""
     out = {}
     fixed = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
-    child = dist.new_subgroups_by_enumeration([list(range(world))], backend="hca")[0] if world > 1 else None
+    parent = dist.new_group(backend="hca")
+    child = parent.split_group(list(range(world - 1)), timeout=datetime.timedelta(seconds=30),
+                               group_name="child") if world > 1 else None
     for name, group in (("world", dist.group.WORLD), ("fixed", fixed), ("child", child)):
         if group is None:
             continue
-        backend = group._get_backend(torch.device("cpu"))
-        models = torch_hca.hierarchy(group)["cost_model"]
-        plan = torch_hca.explain(numels=[1 << 18], group=group, device="cuda")
-        out[name] = {"cuda": models["cuda"] and models["cuda"].origin, "cpu": models["cpu"] and models["cpu"].origin,
-                     "cuda_by_size": backend.by_size(cuda=True), "cpu_by_size": backend.by_size(cuda=False),
-                     "chosen": plan.chosen,
-                     # explain shows the group's own hierarchy (found at init), not its groups as if given
-                     "its_hierarchy": plan.hierarchy == torch_hca.hierarchy(group)["cuda"]}
+        before = _cuda_choice(group)
+        group._get_backend(torch.device("cpu"))._settle_cuda_choice(gpus[rank])
+        out[name] = {"before": before, "after": _cuda_choice(group),
+                     "cpu_by_size": group._get_backend(torch.device("cpu")).by_size(cuda=False)}
     inputs = [make_input(3, r, 1000, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.all_reduce(t)
@@ -207,35 +209,66 @@ def _choices_per_device(rank, world):
 
 
 GPU_LAYOUTS = {"shared": lambda world: ["GPU-0"] * world, "a GPU each": lambda world: [f"GPU-{r}" for r in range(world)],
-               "one rank's unknown": lambda world: ["GPU-0"] * (world - 1) + [None]}
+               "the last apart": lambda world: ["GPU-0"] * (world - 1) + ["GPU-1"]}
 
 
-@pytest.mark.parametrize("world, layout", [(4, "shared"), (3, "shared"), (4, "a GPU each"), (3, "one rank's unknown"),
-                                           (1, "shared")])
-def test_a_group_whose_ranks_share_a_gpu_plans_cuda_tensors_by_its_table(world, layout):
-    """The GPUs come from each rank's place at init (a fake machine here): the C++ group plans CUDA
-    tensors with the table of `costs.for_cuda` over them, the same on every rank (also where one
-    rank did not know its GPU: none then), CPU tensors with their own; fixed options choose
-    nothing; a child split off keeps its parent's."""
-    uuids = GPU_LAYOUTS[layout](world)
-    results = run_ranks(_choices_per_device, world, before_init=functools.partial(_on_gpus, uuids))
-    model = costs.for_cuda(uuids)
-    want = costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []
-    for out in results:
-        assert out == results[0] and out["wrong"] is None, out
-    world_group = results[0]["world"]
-    assert world_group["cuda_by_size"] == want and world_group["cuda"] == (model and model.origin), world_group
-    assert world_group["chosen"] == (model and model.choose(1 << 20)), world_group
-    if world > 1:
-        assert world_group["cpu"] and world_group["cpu_by_size"], world_group  # the CPU's own choice stays
-        assert results[0]["child"] == world_group, results[0]["child"]
-    assert results[0]["fixed"] == {"cuda": None, "cpu": None, "cuda_by_size": [], "cpu_by_size": [],
-                                   "chosen": None, "its_hierarchy": True}, results[0]["fixed"]
-    assert world_group["its_hierarchy"], world_group
+def _table(gpus):
+    """What a group of ranks on `gpus` should plan CUDA tensors with, and its model's origin."""
+    model = costs.sharing_one_gpu(len(gpus)) if len(set(gpus)) == 1 else None
+    return (costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []), model
+
+
+@pytest.mark.parametrize("world, layout", [(4, "shared"), (3, "shared"), (4, "a GPU each"), (3, "the last apart"),
+                                           (2, "shared"), (1, "shared")])
+def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, layout):
+    """Until its first CUDA collective a group plans CUDA tensors with one pack; there every rank
+    says where its tensors are (made-up GPUs here), and where all are on one GPU the C++ group takes
+    the table of as many ranks sharing one, the same on every rank; CPU tensors keep their own;
+    fixed options choose nothing; a child split off asks for itself and takes its own size's table
+    (4 ranks: reduce_to_one_device; the child of 3: one pack), also where its parent found none."""
+    gpus = GPU_LAYOUTS[layout](world)
+    results = run_ranks(_choices_per_device, world, gpus)
+    none = {"cuda": None, "cuda_by_size": [], "chosen": None, "its_hierarchy": True}
+    for out in results[:-1]:  # the last rank is outside the child
+        assert out == results[0], out
+    for rank, out in enumerate(results):
+        assert ("child" in out) == (rank < world - 1), out
+        assert {k: v for k, v in out.items() if k != "child"} == {k: v for k, v in results[0].items() if k != "child"}
+        assert out["wrong"] is None, out
+    for name, ranks in (("world", world), ("child", world - 1)):
+        if ranks < 2:
+            continue
+        got = results[0][name]
+        want, model = _table(gpus[:ranks])
+        assert got["before"] == none, got
+        assert got["after"]["cuda_by_size"] == want and got["after"]["cuda"] == (model and model.origin), got
+        assert got["after"]["chosen"] == (model and model.choose(1 << 20)) and got["after"]["its_hierarchy"], got
+        assert bool(got["cpu_by_size"]) == (ranks > 1), got  # the CPU's own choice stays
+    assert results[0]["fixed"] == {"before": none, "after": none, "cpu_by_size": []}, results[0]["fixed"]
+
+
+def _one_rank_never_asks(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    if rank == 1:
+        time.sleep(4)  # alive, but never at the collective
+        return None
+    started = time.monotonic()
+    try:
+        backend._settle_cuda_choice("GPU-0")
+    except RuntimeError as e:  # DistBackendError through torch's own bindings
+        return str(e), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_rank_missing_from_the_first_cuda_collective_fails_it_within_the_timeout():
+    message, seconds = run_ranks(_one_rank_never_asks, 2, pg_timeout_s=1)[0]
+    assert "first collective on CUDA tensors asks each rank which GPU its tensors are on" in message, message
+    assert "rank 1 did not report" in message and 0.9 < seconds < 3.5, (message, seconds)
 
 
 def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused():
     with pytest.raises(ValueError, match="must start at 0 bytes"):
         torch_hca._C.ProcessGroupHCA(store=dist.HashStore(), rank=0, size=2, timeout_ms=1000,
                                      options=torch_hca.Options().plan_options(), shm_slot_bytes=1 << 20, shm_slots=2,
-                                     cuda_slot_bytes=0, cuda_slots=2, cuda_by_size=[(8, "direct", False)])
+                                     cuda_slot_bytes=0, cuda_slots=2,
+                                     cuda_tables_sharing_one_gpu={2: [(8, "direct", False)]})

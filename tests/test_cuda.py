@@ -189,15 +189,12 @@ def test_ranks_sharing_one_gpu_stage_in_64_mib_slots(world):
         assert rounds == 3, rounds
 
 
-def _set_gpu_0(rank):
-    torch.cuda.set_device(0)  # before init, as torchrun scripts do: the place reports the GPU
-
-
 def _chosen_on_one_gpu(rank, world):
-    """What the group's CUDA tensors are planned with, and all-reduces of every size the table
-    covers (and both dtypes it casts), checked element by element."""
+    """What the group's CUDA tensors are planned with before and after its first CUDA collective,
+    and all-reduces of every size the table covers (and both dtypes it casts), checked element by
+    element. No set_device, before or after init: every rank's tensors are on cuda:0."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    model = torch_hca.hierarchy()["cost_model"]["cuda"]
+    before = backend.by_size(cuda=True)
     errors = []
     for case, (numel, dtype) in enumerate([(1, torch.float32), (1000, torch.bfloat16), (70_001, torch.float32),
                                            ((4 << 20) + 3, torch.float32)]):
@@ -205,17 +202,20 @@ def _chosen_on_one_gpu(rank, world):
         t = inputs[rank].to("cuda:0")
         dist.all_reduce(t)
         errors.append(mismatch(f"all-reduce {numel} {dtype}", t.cpu(), reduce_reference(inputs, "SUM"), world))
-    return model and model.origin, backend.by_size(cuda=True), [e for e in errors if e]
+    model = torch_hca.hierarchy()["cost_model"]["cuda"]
+    return before, model and model.origin, backend.by_size(cuda=True), [e for e in errors if e]
 
 
 @needs_cuda
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_sharing_one_gpu_choose_their_cuda_all_reduce_by_its_table(world):
-    """Ranks that made GPU 0 current before init: their CUDA tensors' table is the one measured on
-    ranks sharing a GPU (reduce_to_one_device on 4), and the all-reduces it picks are right."""
-    want = torch_hca.costs.for_cuda(["gpu"] * world)
-    for origin, by_size, errors in run_ranks(_chosen_on_one_gpu, world, before_init=_set_gpu_0):
-        assert origin == want.origin and by_size == torch_hca.costs.plan_choices(want, tuple(torch_hca.costs.CANDIDATES))
+    """Ranks whose tensors are on GPU 0: from their first CUDA collective, which finds that out,
+    their table is the one measured on ranks sharing a GPU (reduce_to_one_device on 4), and the
+    all-reduces it picks are right."""
+    want = torch_hca.costs.sharing_one_gpu(world)
+    for before, origin, by_size, errors in run_ranks(_chosen_on_one_gpu, world):
+        assert before == [] and origin == want.origin, (before, origin)
+        assert by_size == torch_hca.costs.plan_choices(want, tuple(torch_hca.costs.CANDIDATES)), by_size
         assert not errors, errors
 
 

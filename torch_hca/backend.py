@@ -83,29 +83,28 @@ def _node_group(store, rank, size, timeout_ms, options):
     cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
     cpus = len(set().union(*(json.loads(c) for c in cpus)))
 
-    def make(store, options, by_size=(), cuda_by_size=()):
+    def make(store, options, by_size=(), cuda_tables=None):
         return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
                                   options=options.plan_options(cpu.groups, by_size), cuda_groups=cuda.groups,
-                                  cuda_by_size=list(cuda_by_size),
+                                  cuda_tables_sharing_one_gpu=cuda_tables or {},
                                   shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                   cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                   cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
 
     names = costs.candidates(options.algorithm, options.num_packs)
-    model = cuda_model = None
+    model, cuda_tables = None, {}
     if names:
         model = costs.for_group(
             rank, size, cpus, cpu.groups,
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
             lambda algorithm, num_packs: make(dist.PrefixStore(f"hca_calibrate_{algorithm}{num_packs}/", store),
                                               dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)))
-        # Every rank has every rank's place: all choose the same.
-        cuda_model = costs.for_cuda([p.gpu.uuid if p.gpu else None for p in places or ()])
-    group = make(store, options, costs.plan_choices(model, names) if model else (),
-                 costs.plan_choices(cuda_model, names) if cuda_model else ())
+        # For this group and any child split off: the group's first CUDA collective asks where
+        # each rank's tensors are, and uses its size's table where all are on one GPU.
+        cuda_tables = {world: costs.plan_choices(costs.sharing_one_gpu(world), names) for world in range(2, size + 1)}
+    group = make(store, options, costs.plan_choices(model, names) if model else (), cuda_tables)
     group.hierarchy = topology.describe(cpu, cuda, places)
-    group.cost_model = json.dumps({device: m.to_json() if m else None for device, m in (("cpu", model),
-                                                                                        ("cuda", cuda_model))})
+    group.cpu_cost_model = json.dumps(model.to_json() if model else None)
     return group
 
 

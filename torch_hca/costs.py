@@ -11,10 +11,10 @@ The lines of CPU tensors are fitted to measured times, from, in this order:
 - a calibration cached for this machine and world shape (`python -m torch_hca.calibrate`, or
   TORCH_HCA_CALIBRATE=1 at init, which measures one where none is cached; "force" measures again);
 - else the table shipped with the package, measured on a 2-vCPU VM.
-CUDA tensors get a table of their own where every rank reported one and the same GPU at init (the
-ranks had set their device, as torchrun scripts do): there each step of a call costs about a switch
-between the processes that share the GPU, so the plans with fewer steps win. Elsewhere (a GPU per
-rank, never measured, or GPUs unknown at init) CUDA tensors keep one pack, TF's default.
+CUDA tensors get a table of their own where the group's first collective on them finds every rank's
+tensors on one and the same GPU: there each step of a call costs about a switch between the
+processes that share the GPU, so the plans with fewer steps win. Elsewhere (a GPU per rank, never
+measured) CUDA tensors keep one pack, TF's default.
 Rank 0 chooses the lines and every rank uses rank 0's, so that all make the same choice for every
 call (ranks that chose differently would run different plans). The cache is a JSON file per
 machine and world shape under TORCH_HCA_CACHE_DIR (default ~/.cache/torch_hca); delete it to go
@@ -211,13 +211,12 @@ def shipped(world: int, cpus: int) -> CostModel:
     return _table_model(SHIPPED_POINTS[measured], f"the shipped table ({measured} ranks on {SHIPPED_MACHINE})")
 
 
-def for_cuda(gpus: Sequence[Optional[str]]) -> Optional[CostModel]:
-    """The model of a group's CUDA tensors, from each rank's GPU as it reported it at init (a UUID,
-    None where unknown): the shipped table of as many ranks sharing one GPU (4 for more) where every
-    rank reported the same GPU; None (one pack) for one rank, a GPU per rank, or any GPU unknown."""
-    if len(gpus) < 2 or None in gpus or len(set(gpus)) != 1:
+def sharing_one_gpu(world: int) -> Optional[CostModel]:
+    """The model of CUDA tensors of `world` ranks that share one GPU: the shipped table of as many
+    ranks (4 for more); None for one rank."""
+    if world < 2:
         return None
-    measured = min(len(gpus), 4)
+    measured = min(world, 4)
     return _table_model(SHIPPED_CUDA_POINTS[measured],
                         f"the shipped table of CUDA tensors ({measured} ranks sharing one {SHIPPED_CUDA_MACHINE})")
 

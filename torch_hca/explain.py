@@ -102,8 +102,8 @@ def explain(
     defaults), what an allreduce of that size gets per call and the cost model's predicted time for
     each candidate, for ranks that run on `cpus` CPUs between them (default: the CPUs this process
     may run on): the model a group of them would use here (this machine's cached calibration, else the shipped table), or a
-    running group's; for CUDA tensors, a running group's only (chosen per call where its ranks
-    reported one and the same GPU at init, else one pack). With `group` (a running hca process group), for its ranks: its size,
+    running group's; for CUDA tensors, a running group's only (chosen per call once its first
+    collective on CUDA tensors found every rank's on one GPU, else one pack). With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
     `device`); the options are still the arguments'. Prints it if verbose."""
@@ -161,8 +161,8 @@ def explain(
 def _cost_model(running, device, world_size, cpus, groups) -> Optional[costs.CostModel]:
     """A running group's model of `device`'s tensors; else, for CPU tensors, the one a group of
     these ranks would get here, as rank 0 reads it (this machine's cached calibration, else the
-    shipped table). CUDA tensors' depends on the ranks' GPUs, which only a running group whose
-    ranks share one knows: None (one pack) otherwise."""
+    shipped table). CUDA tensors' depends on the ranks' GPUs, which only a running group knows
+    (from its first collective on CUDA tensors): None (one pack) otherwise."""
     if running is not None and running["cost_model"][device]:
         return running["cost_model"][device]
     if device == "cuda":

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
 
 from . import _C
-from .costs import CostModel
+from .costs import CostModel, sharing_one_gpu
 
 CPU_LEVELS = ("CPU package", "NUMA node")  # coarsest first: the first that splits the ranks wins
 GPU_LEVELS = ("GPU link domain",)
@@ -233,7 +233,8 @@ def hierarchy(group=None) -> Dict[str, object]:
     GPU), "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
     cut larger packs into rounds, or None while "staging" is, "cost_model": {"cpu": ..., "cuda": ...}:
     the `torch_hca.costs.CostModel` that chooses each device's all-reduces per call, or None where
-    nothing is chosen}. Across nodes: this rank's node's group."""
+    nothing is chosen (CUDA's: None until the group's first collective on CUDA tensors found every
+    rank's on one GPU)}. Across nodes: this rank's node's group."""
     import torch
     import torch.distributed as dist
 
@@ -251,8 +252,10 @@ def hierarchy(group=None) -> Dict[str, object]:
             "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")},
             "staging_slot_bytes": {device: backend.staging_slot_bytes(cuda=device == "cuda") or None
                                    for device in ("cpu", "cuda")},
-            "cost_model": _cost_models(backend.cost_model)}
+            "cost_model": _cost_models(backend)}
 
 
-def _cost_models(text):
-    return {device: CostModel.from_json(d) if d else None for device, d in json.loads(text).items()}
+def _cost_models(backend) -> Dict[str, Optional[CostModel]]:
+    cpu = json.loads(backend.cpu_cost_model)
+    return {"cpu": CostModel.from_json(cpu) if cpu else None,
+            "cuda": sharing_one_gpu(backend.size()) if backend.by_size(cuda=True) else None}

@@ -6,18 +6,23 @@
 #include <algorithm>
 #include <functional>
 
+#include "../../transport/rendezvous.h"
 #include "../../transport/shm/shm_executor.h"
 #include "../../transport/stream/host_streams.h"
+#ifdef HCA_WITH_CUDA
+#include "../../transport/cuda/cuda_runtime.h"
+#endif
 
 namespace hca {
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
                                  int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor,
-                                 Groups cuda_groups, std::vector<SizeChoice> cuda_by_size)
+                                 Groups cuda_groups, TablesByWorld cuda_tables_sharing_one_gpu)
     : c10d::Backend(rank, size),
       options_(std::move(options)),
       cuda_options_(options_),
+      cuda_tables_sharing_one_gpu_(std::move(cuda_tables_sharing_one_gpu)),
       timeout_(timeout),
       cuda_config_(cuda_config),
       shm_slot_bytes_(shm_slot_bytes),
@@ -26,10 +31,16 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       store_(store) {
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
   // The CPU path's choice per call does not hold for devices: theirs is measured apart.
-  cuda_options_.by_size = std::move(cuda_by_size);
+  cuda_options_.by_size.clear();
   try {
     validate(options_, size);
     validate(cuda_options_, size);
+    const auto table = cuda_tables_sharing_one_gpu_.find(size);
+    if (table != cuda_tables_sharing_one_gpu_.end()) {  // refused now, not at the first CUDA collective
+      PlanOptions sharing = cuda_options_;
+      sharing.by_size = table->second;
+      validate(sharing, size);
+    }
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
@@ -162,18 +173,50 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   auto group = c10::make_intrusive<ProcessGroupHCA>(store, rank, static_cast<int>(ranks.size()), timeout,
                                                     std::move(options), shm_slot_bytes_, shm_slots_, cuda_config_,
                                                     cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks),
-                                                    cuda_options_.by_size);
+                                                    cuda_tables_sharing_one_gpu_);
   std::string parent_ranks;
   for (int r : ranks) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +
                           R"(", "reason": "the parent group's, kept for its ranks )" + parent_ranks + R"("})";
   group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
-  group->set_cost_model(cost_model_);  // its packing options are the parent's too
+  group->set_cpu_cost_model(cpu_cost_model_);  // its packing options are the parent's too
   // Its ranks in the world, from this group's (none known: this group is the world).
   std::vector<int64_t> global;
   for (int r : ranks) global.push_back(calls_.global_ranks().empty() ? r : calls_.global_ranks()[r]);
   group->calls_.set_global_ranks(global);
   return group;
+}
+
+const PlanOptions& ProcessGroupHCA::options_for(const at::Device& device) {
+  if (!device.is_cuda()) return options_;
+#ifdef HCA_WITH_CUDA
+  std::call_once(cuda_choice_settled_, [&] { settle_cuda_choice(cuda::device_uuid(device.index())); });
+#endif
+  return cuda_options_;
+}
+
+void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
+  const auto table = cuda_tables_sharing_one_gpu_.find(getSize());
+  if (table == cuda_tables_sharing_one_gpu_.end()) return;  // alike on every rank: the same options and size
+  StoreRendezvous rendezvous(store_);
+  std::vector<std::string> gpus;
+  try {
+    gpus = exchange_reports(rendezvous, "cuda_tensors_gpu", getRank(), getSize(), gpu, timeout_.load());
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, std::string("hca: the group's first collective on CUDA tensors asks each rank "
+                                                  "which GPU its tensors are on, to choose its all-reduces: ") +
+                                          e.what());
+  }
+  if (std::all_of(gpus.begin(), gpus.end(), [&](const std::string& g) { return g == gpus.front(); })) {
+    std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
+    cuda_options_.by_size = table->second;
+  }
+}
+
+std::vector<SizeChoice> ProcessGroupHCA::by_size(bool cuda) const {
+  if (!cuda) return options_.by_size;
+  std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
+  return cuda_options_.by_size;
 }
 
 Executor& ProcessGroupHCA::executor_for(const at::Device& device, const char* op) {
@@ -396,7 +439,7 @@ void ProcessGroupHCA::gather_step(const at::Tensor& output, const at::Tensor& in
 }
 
 Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size_t output, size_t input,
-                                                      ReduceOp op) const {
+                                                      ReduceOp op) {
   const int64_t numel = static_cast<int64_t>(args.descs()[output].numel);
   const at::Tensor& in = args.dense()[input];
   const at::Tensor& out = args.dense()[output];

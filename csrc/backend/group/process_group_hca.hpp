@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -34,12 +35,16 @@ class ProcessGroupHCA : public c10d::Backend {
  public:
   // `options` must have been validated (validate(options, size) runs again here);
   // they serve CPU tensors. CUDA tensors follow them but for their groups,
-  // `cuda_groups` (empty: the same), and their all-reduce's choice per call,
-  // `cuda_by_size` (empty: none, the options' algorithm and packing).
+  // `cuda_groups` (empty: the same), and their all-reduce's choice per call:
+  // none (the options' algorithm and packing) until the group's first CUDA
+  // collective finds every rank's tensors on one GPU (settle_cuda_choice); then
+  // `cuda_tables_sharing_one_gpu`'s table for this group's size (by world size,
+  // so that a child split off finds its own; none for a size it lacks).
+  using TablesByWorld = std::map<int, std::vector<SizeChoice>>;
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
                   cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory,
-                  Groups cuda_groups = {}, std::vector<SizeChoice> cuda_by_size = {});
+                  Groups cuda_groups = {}, TablesByWorld cuda_tables_sharing_one_gpu = {});
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
@@ -57,15 +62,23 @@ class ProcessGroupHCA : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
                                            const c10::intrusive_ptr<Options>& opts) override;
   const PlanOptions& options() const { return options_; }
-  const PlanOptions& cuda_options() const { return cuda_options_; }
+  // The table that chooses all-reduces per call for CPU or CUDA tensors (empty: none).
+  std::vector<SizeChoice> by_size(bool cuda) const;
+  // Every rank tells the others the GPU its CUDA tensors are on (`gpu`, its UUID)
+  // and, where all name one GPU, CUDA tensors take the table of ranks sharing
+  // one. Once per group, at its first CUDA collective that plans with the
+  // options (every rank plans its collectives in one order, so all ask at the
+  // same call and choose alike); tests call it with made-up GPUs.
+  void settle_cuda_choice(const std::string& gpu);
   // The hierarchy's groups that plans for CPU or CUDA tensors follow.
   const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
   // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
   const std::string& hierarchy() const { return hierarchy_; }
   void set_hierarchy(std::string text) { hierarchy_ = std::move(text); }
-  // The cost model that chose its packs per call, for `torch_hca.explain` (JSON, set once by its maker).
-  const std::string& cost_model() const { return cost_model_; }
-  void set_cost_model(std::string json) { cost_model_ = std::move(json); }
+  // The cost model that chose its CPU tensors' packs per call, for `torch_hca.explain`
+  // (JSON, "null" for none; set once by its maker). CUDA's follows from by_size(true).
+  const std::string& cpu_cost_model() const { return cpu_cost_model_; }
+  void set_cpu_cost_model(std::string json) { cpu_cost_model_ = std::move(json); }
   // Where CPU or CUDA tensors are staged, in words; empty before the first
   // collective that sets it up, in a build without CUDA, and once the group ended.
   std::string staging(bool cuda);
@@ -250,17 +263,19 @@ class ProcessGroupHCA : public c10d::Backend {
   Collective collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op, const char* name,
                         const std::string& details) const;
   Collective allgather_collective(const CallArgs& args, size_t output, size_t input) const;
-  Collective reduce_scatter_collective(const CallArgs& args, size_t output, size_t input, ReduceOp op) const;
+  Collective reduce_scatter_collective(const CallArgs& args, size_t output, size_t input, ReduceOp op);
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
-  const PlanOptions& options_for(const at::Device& device) const {
-    return device.is_cuda() ? cuda_options_ : options_;
-  }
+  // CUDA's: the choice settled first (settle_cuda_choice).
+  const PlanOptions& options_for(const at::Device& device);
 
   GroupLife life_;  // every call and every ending goes through it
   PlanOptions options_;       // CPU tensors
-  PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups
+  PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups and their table
+  const TablesByWorld cuda_tables_sharing_one_gpu_;
+  std::once_flag cuda_choice_settled_;
+  mutable std::mutex cuda_choice_mutex_;  // cuda_options_.by_size, set by settle_cuda_choice
   std::string hierarchy_;
-  std::string cost_model_ = R"({"cpu": null, "cuda": null})";
+  std::string cpu_cost_model_ = "null";
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   size_t shm_slot_bytes_;

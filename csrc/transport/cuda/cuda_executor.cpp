@@ -33,16 +33,6 @@ struct PeerRecord {
   int32_t slots;
 };
 
-std::string uuid_text(const char* uuid) {
-  static const char* hex = "0123456789abcdef";
-  std::string text = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    text += hex[(uuid[i] >> 4) & 15];
-    text += hex[uuid[i] & 15];
-  }
-  return text;
-}
-
 // The local index of the GPU with this UUID (as uuid_text writes it), or -1.
 int device_with_uuid(const std::string& uuid) {
   int count = 0;

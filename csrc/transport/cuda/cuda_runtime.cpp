@@ -78,4 +78,20 @@ DeviceRuntime& runtime() {
   return *cuda_runtime;
 }
 
+std::string uuid_text(const char* uuid) {
+  static const char* hex = "0123456789abcdef";
+  std::string text = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    text += hex[(uuid[i] >> 4) & 15];
+    text += hex[uuid[i] & 15];
+  }
+  return text;
+}
+
+std::string device_uuid(int device) {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  return uuid_text(prop.uuid.bytes);
+}
+
 }  // namespace hca::cuda
