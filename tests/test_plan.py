@@ -162,3 +162,28 @@ def test_num_packs_is_chosen_per_call_where_the_user_set_none(world, cpus, numel
     assert len(cuda.packs) == 1 and cuda.chosen is None and "chosen per call" not in cuda.text
     # Its rounds are those of a CUDA staging slot (8 MiB by default), not a shared-memory one.
     assert f"rounds of a {8 << 20}-byte slot" in cuda.text and f"rounds of a {8 << 20}-byte slot" not in plan.text
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_explain_shows_what_ranks_on_given_gpus_would_get_for_cuda_tensors(world):
+    """Without a running group: ranks whose tensors share one GPU get its table and 64 MiB slots (4 or
+    more ranks: reduce_to_one_device), ranks on GPUs of their own one pack and 8 MiB slots."""
+    numel = 1 << 18
+    model = costs.sharing_one_gpu(world)
+    shared = torch_hca.explain(world, numels=[numel], device="cuda", gpus=[0] * world)
+    assert shared.chosen == model.choose(numel * 4) == ("one_pack" if world < 4 else "reduce_to_one_device")
+    assert shared.cost_model is model or shared.cost_model.origin == model.origin
+    assert f"rounds of a {64 << 20}-byte slot" in shared.text and "sharing one NVIDIA H200" in shared.text
+    for gpus in (list(range(world)), [0] * (world - 1) + [1]):
+        spread = torch_hca.explain(world, numels=[numel], device="cuda", gpus=gpus)
+        assert spread.chosen is None and len(spread.packs) == 1, gpus
+        assert f"rounds of a {8 << 20}-byte slot" in spread.text, gpus
+    fixed = torch_hca.explain(world, num_packs=1, numels=[numel], device="cuda", gpus=[0] * world)
+    assert fixed.chosen is None and f"rounds of a {64 << 20}-byte slot" in fixed.text  # what the user sets wins
+
+
+def test_explain_refuses_gpus_it_cannot_use():
+    with pytest.raises(ValueError, match="gpus: 2 GPUs for a world of 3 ranks"):
+        torch_hca.explain(3, device="cuda", gpus=[0, 0])
+    with pytest.raises(ValueError, match="gpus: for device='cuda' without a running group"):
+        torch_hca.explain(2, gpus=[0, 0])

@@ -3,6 +3,7 @@
     python -m torch_hca.explain 8 --num-packs 2
     python -m torch_hca.explain 4 --nodes a,a,b,b --num-packs 2
     python -m torch_hca.explain 4 --numa-nodes "0;1;0;1" --here
+    python -m torch_hca.explain 4 --device cuda --gpus 0,0,0,0 --numels 262144
 """
 from __future__ import annotations
 
@@ -60,13 +61,13 @@ class NodePlan:
         return self.text
 
 
-def _slot_bytes(device, running):
+def _slot_bytes(device, running, gpus):
     """The slot a group of `device`'s tensors stages in: a running group's once it set up its staging,
-    else the one set or, for CUDA, the one for ranks on different GPUs."""
+    else the one set or, for CUDA, the one for ranks on `gpus` (different GPUs where not given)."""
     staged = running and running["staging_slot_bytes"][device]
     if staged:
         return staged
-    return shm_chunk_bytes() if device == "cpu" else _C.cuda_slot_bytes(cuda_chunk_bytes(), [])
+    return shm_chunk_bytes() if device == "cpu" else _C.cuda_slot_bytes(cuda_chunk_bytes(), [str(g) for g in gpus or ()])
 
 
 def explain(
@@ -89,6 +90,7 @@ def explain(
     cpus: Optional[int] = None,
     group=None,
     device: str = "cpu",
+    gpus: Optional[Sequence] = None,
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
@@ -102,13 +104,18 @@ def explain(
     defaults), what an allreduce of that size gets per call and the cost model's predicted time for
     each candidate, for ranks that run on `cpus` CPUs between them (default: the CPUs this process
     may run on): the model a group of them would use here (this machine's cached calibration, else the shipped table), or a
-    running group's; for CUDA tensors, a running group's only (chosen per call once its first
-    collective on CUDA tensors found every rank's on one GPU, else one pack). With `group` (a running hca process group), for its ranks: its size,
+    running group's; for CUDA tensors, a running group's (chosen per call once its first
+    collective on CUDA tensors found every rank's on one GPU, else one pack), or, without one, that
+    of ranks whose tensors are on `gpus` (each rank's GPU, e.g. [0, 0, 0, 0]; where all are one,
+    the table of ranks sharing a GPU and its 64 MiB slots; else, or not given, one pack and 8 MiB). With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
     `device`); the options are still the arguments'. Prints it if verbose."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    if gpus is not None and (device != "cuda" or group is not None):
+        raise ValueError("gpus: for device='cuda' without a running group (a group asks its ranks where their "
+                         "tensors are)")
     running = topology.hierarchy(group) if group is not None else None
     found = None  # the running group's hierarchy, where its groups are the plan's
     if running is not None:
@@ -121,6 +128,8 @@ def explain(
             groups = found.groups
     elif world_size is None:
         raise ValueError("explain: give world_size, or a running group")
+    if gpus is not None and len(gpus) != world_size:
+        raise ValueError(f"gpus: {len(gpus)} GPUs for a world of {world_size} ranks")
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
     hierarchy = found or _hierarchy(options.groups, world_size, numa_nodes, packages)
@@ -139,11 +148,11 @@ def explain(
         plan = Plan(list(packs), text)
     else:
         names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
-        model = _cost_model(running, device, world_size, cpus, hierarchy.groups) if names else None
+        model = _cost_model(running, device, world_size, cpus, hierarchy.groups, gpus) if names else None
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
-                                             root, _slot_bytes(device, running) if slot_bytes is None else slot_bytes)
+                                             root, _slot_bytes(device, running, gpus) if slot_bytes is None else slot_bytes)
         nbytes = 4 * sum(numels)
         predicted = model.predict_us(nbytes, names) if model and collective == "allreduce" else None
         chosen = model.choose(nbytes, names) if predicted else None
@@ -158,15 +167,15 @@ def explain(
     return plan
 
 
-def _cost_model(running, device, world_size, cpus, groups) -> Optional[costs.CostModel]:
+def _cost_model(running, device, world_size, cpus, groups, gpus) -> Optional[costs.CostModel]:
     """A running group's model of `device`'s tensors; else, for CPU tensors, the one a group of
     these ranks would get here, as rank 0 reads it (this machine's cached calibration, else the
-    shipped table). CUDA tensors' depends on the ranks' GPUs, which only a running group knows
-    (from its first collective on CUDA tensors): None (one pack) otherwise."""
-    if running is not None and running["cost_model"][device]:
+    shipped table); for CUDA tensors, the table of ranks sharing one GPU where `gpus` names one,
+    else None (one pack)."""
+    if running is not None and (running["cost_model"][device] or device == "cuda"):
         return running["cost_model"][device]
     if device == "cuda":
-        return None
+        return costs.sharing_one_gpu(world_size) if gpus and len(set(gpus)) == 1 else None
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
@@ -210,6 +219,8 @@ def main(argv=None):
     parser.add_argument("--nodes", help='each rank\'s node, e.g. "a,a,b,b" (allreduce across nodes)')
     parser.add_argument("--numa-nodes", help='each rank\'s NUMA nodes, e.g. "0;1;0;1" (groups="auto")')
     parser.add_argument("--packages", help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--gpus", help='each rank\'s GPU, e.g. "0,0,0,0" (--device cuda)')
     parser.add_argument("--here", action="store_true", help="print where this process runs (what it would report)")
     args = parser.parse_args(argv)
     if args.here:
@@ -219,7 +230,8 @@ def main(argv=None):
             [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True,
             slot_bytes=args.slot_bytes, nodes=args.nodes.split(",") if args.nodes else None,
             numa_nodes=_ranks_lists(args.numa_nodes) if args.numa_nodes else None,
-            packages=_ranks_lists(args.packages) if args.packages else None)
+            packages=_ranks_lists(args.packages) if args.packages else None, device=args.device,
+            gpus=args.gpus.split(",") if args.gpus else None)
 
 
 if __name__ == "__main__":
