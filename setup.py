@@ -83,7 +83,7 @@ setup(
     name="torch_hca",
     version=f"{VERSION}+{LOCAL_LABEL}",
     description="TensorFlow's hierarchical-copy cross-device reductions as a PyTorch c10d backend ('hca')",
-    packages=["torch_hca"],
+    packages=["torch_hca", "torch_hca.explain"],
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtensionNamingItsTorch},
     # torch 2.14+ loads this for init_process_group("hca") when torch_hca was not imported

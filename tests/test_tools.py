@@ -1,5 +1,5 @@
-"""The installed tools: `python -m torch_hca.bench` (nccl-tests' sweep) and `python -m torch_hca.check`
-(the self-test), run as a user runs them, and their element checks shown to catch a wrong result."""
+"""The installed tools: `python -m torch_hca.bench` (nccl-tests' sweep), `python -m torch_hca.check`
+(the self-test) and `python -m torch_hca.explain`, run as a user runs them, and their element checks shown to catch a wrong result."""
 import json
 import os
 import subprocess
@@ -161,3 +161,12 @@ def test_references_leave_their_inputs_alone(dtype, op):
     torch.testing.assert_close(torch_hca.reference.reduce_reference(inputs, op), want)
     for t, b in zip(inputs, before):
         assert torch.equal(t, b)
+
+
+def test_explain_prints_the_plan_from_the_command_line_without_a_warning(tmp_path):
+    """As the docs show it: ranks sharing one GPU (reduce_to_one_device on 4), and no runpy warning
+    about the module being imported twice."""
+    out = run_tool(["torch_hca.explain", "4", "--device", "cuda", "--gpus", "0,0,0,0", "--numels", "262144"], tmp_path)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert "chosen per call: reduce_to_one_device" in out.stdout and "step 1: reduce 1->0, reduce 2->0, reduce 3->0" \
+        in out.stdout and f"rounds of a {64 << 20}-byte slot" in out.stdout, out.stdout

@@ -7,13 +7,12 @@
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import Dict, List, Optional, Sequence, Union
 
-from . import _C, costs, topology
-from .options import Options, cuda_chunk_bytes, shm_chunk_bytes
+from .. import _C, costs, topology
+from ..options import Options, cuda_chunk_bytes, shm_chunk_bytes
 
 
 @dataclasses.dataclass
@@ -198,41 +197,3 @@ def _hierarchy(groups, world_size, numa_nodes, packages) -> topology.Hierarchy:
         raise ValueError(f"numa_nodes/packages: expected one entry per rank of {world_size}")
     places = [topology.Place(tuple(packages[r]) if packages else (), tuple(numa_nodes[r])) for r in range(world_size)]
     return topology.cpu_hierarchy(places)
-
-
-def _ranks_lists(text):
-    """ "0,1;2,3" -> [[0, 1], [2, 3]] """
-    return [[int(r) for r in part.split(",")] for part in text.split(";")]
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("world_size", type=int)
-    parser.add_argument("--algorithm", default=None)
-    parser.add_argument("--num-packs", type=int, help="default: chosen per call")
-    parser.add_argument("--groups", help='e.g. "0,1,2,3;4,5,6,7"')
-    parser.add_argument("--reduce-to-device", type=int)
-    parser.add_argument("--numels", default="1024", help="comma-separated tensor sizes")
-    parser.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce", "broadcast"])
-    parser.add_argument("--root", type=int, default=0)
-    parser.add_argument("--slot-bytes", type=int, help="staging slot size for the rounds (default: the shm slot)")
-    parser.add_argument("--nodes", help='each rank\'s node, e.g. "a,a,b,b" (allreduce across nodes)')
-    parser.add_argument("--numa-nodes", help='each rank\'s NUMA nodes, e.g. "0;1;0;1" (groups="auto")')
-    parser.add_argument("--packages", help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--gpus", help='each rank\'s GPU, e.g. "0,0,0,0" (--device cuda)')
-    parser.add_argument("--here", action="store_true", help="print where this process runs (what it would report)")
-    args = parser.parse_args(argv)
-    if args.here:
-        print(f"this process: {topology.detect()}")
-    groups = args.groups if args.groups in (None, "auto", "halves") else _ranks_lists(args.groups)
-    explain(args.world_size, args.algorithm, args.num_packs, groups, args.reduce_to_device,
-            [int(n) for n in args.numels.split(",")], args.collective, args.root, verbose=True,
-            slot_bytes=args.slot_bytes, nodes=args.nodes.split(",") if args.nodes else None,
-            numa_nodes=_ranks_lists(args.numa_nodes) if args.numa_nodes else None,
-            packages=_ranks_lists(args.packages) if args.packages else None, device=args.device,
-            gpus=args.gpus.split(",") if args.gpus else None)
-
-
-if __name__ == "__main__":
-    main()
