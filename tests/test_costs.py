@@ -266,6 +266,40 @@ def test_a_rank_missing_from_the_first_cuda_collective_fails_it_within_the_timeo
     assert "rank 1 did not report" in message and 0.9 < seconds < 3.5, (message, seconds)
 
 
+def _one_rank_dies_before_it_asks(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(0)  # without a word, as a crashed rank
+    started = time.monotonic()
+    try:
+        backend._settle_cuda_choice("GPU-0")
+    except RuntimeError as e:
+        return str(e), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_rank_that_died_fails_the_first_cuda_collective_at_once():
+    """Not at the timeout (60 s): the wait watches the peers as a collective's does."""
+    results = run_ranks(_one_rank_dies_before_it_asks, 3, pg_timeout_s=60, allow_missing=(2,))
+    for message, seconds in results[:2]:
+        assert "first collective on CUDA tensors asks each rank" in message and "rank 2" in message, message
+        assert seconds < 10, (message, seconds)
+
+
+def _asks_after_the_end(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend.shutdown()  # what destroy_process_group calls
+    started = time.monotonic()
+    backend._settle_cuda_choice("GPU-0")  # nothing to ask of a group that ended: the call itself raises
+    return backend.by_size(cuda=True), time.monotonic() - started
+
+
+def test_a_group_that_ended_asks_nothing():
+    for by_size, seconds in run_ranks(_asks_after_the_end, 2, pg_timeout_s=60):
+        assert by_size == [] and seconds < 1, (by_size, seconds)
+
+
 def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused():
     with pytest.raises(ValueError, match="must start at 0 bytes"):
         torch_hca._C.ProcessGroupHCA(store=dist.HashStore(), rank=0, size=2, timeout_ms=1000,

@@ -31,14 +31,21 @@ void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std
 }
 
 std::vector<std::string> exchange_reports(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
-                                          const std::string& mine, std::chrono::milliseconds timeout) {
+                                          const std::string& mine, std::chrono::milliseconds timeout,
+                                          const std::function<void()>& check) {
   const std::string prefix = "hca_" + topic + "/";
   rendezvous.set(prefix + std::to_string(rank), mine);
   std::vector<std::string> identities;
   for (int r = 0; r < world; ++r) {
     const std::string key = prefix + std::to_string(r);
-    await_setup(rendezvous, [&] { return rendezvous.has(key); }, timeout,
-                "hca: rank " + std::to_string(r) + " did not report its " + topic);
+    await_setup(
+        rendezvous,
+        [&] {
+          if (rendezvous.has(key)) return true;
+          if (check) check();
+          return false;
+        },
+        timeout, "hca: rank " + std::to_string(r) + " did not report its " + topic);
     identities.push_back(rendezvous.get(key));
   }
   return identities;

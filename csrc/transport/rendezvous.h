@@ -33,8 +33,10 @@ void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std
 
 // Every rank's report on `topic` (`mine` on this rank), in rank order: e.g. each
 // rank's node identity (equal identities share memory and devices) or its place
-// on the node (CPU packages, NUMA nodes, GPU links).
+// on the node (CPU packages, NUMA nodes, GPU links). `check`, called while it
+// waits, may throw to give up sooner (a peer known dead).
 std::vector<std::string> exchange_reports(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
-                                          const std::string& mine, std::chrono::milliseconds timeout);
+                                          const std::string& mine, std::chrono::milliseconds timeout,
+                                          const std::function<void()>& check = {});
 
 }  // namespace hca

@@ -198,10 +198,20 @@ const PlanOptions& ProcessGroupHCA::options_for(const at::Device& device) {
 void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
   const auto table = cuda_tables_sharing_one_gpu_.find(getSize());
   if (table == cuda_tables_sharing_one_gpu_.end()) return;  // alike on every rank: the same options and size
-  StoreRendezvous rendezvous(store_);
+  const auto call = life_.try_enter();
+  if (!call) return;  // the group ended: the collective that asked says so
   std::vector<std::string> gpus;
   try {
-    gpus = exchange_reports(rendezvous, "cuda_tensors_gpu", getRank(), getSize(), gpu, timeout_.load());
+    // A peer that died or failed ends the wait at once, as in a collective's
+    // (the store's wait keeps the deadline).
+    WaitContext ctx = control_->begin("which GPU each rank's CUDA tensors are on", timeout_.load(), true);
+    ctx.deadline = Clock::time_point::max();
+    StoreRendezvous rendezvous(store_);
+    gpus = exchange_reports(rendezvous, "cuda_tensors_gpu", getRank(), getSize(), gpu, timeout_.load(), [&] {
+      for (int peer = 0; peer < getSize(); ++peer) {
+        if (peer != getRank()) control_->check_peer(peer, ctx);
+      }
+    });
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, std::string("hca: the group's first collective on CUDA tensors asks each rank "
                                                   "which GPU its tensors are on, to choose its all-reduces: ") +
