@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca import costs
-from harness import RankFailed, run_ranks
+from harness import STREAMS_ENV, RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
 
 
@@ -285,6 +285,53 @@ def test_a_rank_that_died_fails_the_first_cuda_collective_at_once():
     for message, seconds in results[:2]:
         assert "first collective on CUDA tensors asks each rank" in message and "rank 2" in message, message
         assert seconds < 10, (message, seconds)
+
+
+def _one_rank_calls_on_cpu_tensors(rank, world):
+    """Rank 1's next collective is on CPU tensors where rank 0's (asking where its CUDA tensors are) is
+    not: both learn it at once, not at the timeout (60 s), and the group is unusable after."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    dist.all_reduce(torch.ones(4))  # one collective before, on both ranks: the count is per group
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            backend._settle_cuda_choice("GPU-0")
+        else:
+            dist.all_reduce(torch.ones(1000))
+    except RuntimeError as e:
+        return str(e), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_rank_in_another_call_than_the_first_cuda_collective_fails_both_at_once():
+    (asking, asking_s), (other, other_s) = run_ranks(_one_rank_calls_on_cpu_tensors, 2, pg_timeout_s=60)
+    assert "mismatched calls: rank 0's next collective is on CUDA tensors, but rank 1 called allreduce(Float[1000]" \
+        in asking and asking_s < 10, (asking, asking_s)
+    assert "mismatched calls" in other and other_s < 10, (other, other_s)
+
+
+def _asks_after_async_calls(rank, world):
+    """On the model of the device, whose first collective runs the self-test's collectives first:
+    async all-reduces queued before the question, on every rank alike, are no mismatch, even where
+    a peer's executor has started them all before it asks."""
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    inputs = [[make_input(60 + i, r, 70_001, torch.float32, "SUM") for r in range(world)] for i in range(4)]
+    mine = [case[rank].clone() for case in inputs]
+    works = [dist.all_reduce(t, async_op=True) for t in mine]
+    if rank == world - 1:
+        time.sleep(1)  # its worker starts them all meanwhile: the others see it ahead, not yet asking
+    backend._settle_cuda_choice("GPU-0")
+    for w in works:
+        w.wait()
+    errors = [mismatch(f"all_reduce {i}", t, reduce_reference(inputs[i], "SUM"), world) for i, t in enumerate(mine)]
+    return backend.by_size(cuda=True), [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_queued_before_the_question_are_no_mismatch(world):
+    want = costs.plan_choices(costs.sharing_one_gpu(world), tuple(costs.CANDIDATES))
+    for by_size, errors in run_ranks(_asks_after_async_calls, world, env=STREAMS_ENV):
+        assert by_size == want and not errors, (by_size, errors)
 
 
 def _asks_after_the_end(rank, world):

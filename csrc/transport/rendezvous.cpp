@@ -30,14 +30,15 @@ void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std
   }
 }
 
+std::string report_key(const std::string& topic, int rank) { return "hca_" + topic + "/" + std::to_string(rank); }
+
 std::vector<std::string> exchange_reports(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
                                           const std::string& mine, std::chrono::milliseconds timeout,
                                           const std::function<void()>& check) {
-  const std::string prefix = "hca_" + topic + "/";
-  rendezvous.set(prefix + std::to_string(rank), mine);
+  rendezvous.set(report_key(topic, rank), mine);
   std::vector<std::string> identities;
   for (int r = 0; r < world; ++r) {
-    const std::string key = prefix + std::to_string(r);
+    const std::string key = report_key(topic, r);
     await_setup(
         rendezvous,
         [&] {

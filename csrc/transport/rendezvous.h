@@ -31,6 +31,8 @@ void check_setup_failure(Rendezvous& rendezvous);
 void await_setup(Rendezvous& rendezvous, const std::function<bool()>& ready, std::chrono::milliseconds timeout,
                  const std::string& what);
 
+// The key under which `rank` reports on `topic` (exchange_reports).
+std::string report_key(const std::string& topic, int rank);
 // Every rank's report on `topic` (`mine` on this rank), in rank order: e.g. each
 // rank's node identity (equal identities share memory and devices) or its place
 // on the node (CPU packages, NUMA nodes, GPU links). `check`, called while it

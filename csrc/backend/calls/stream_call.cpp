@@ -257,6 +257,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     C10_THROW_ERROR(DistBackendError, "hca: " + first + ", failed in the self-test that runs before it: " +
                                           e.what_without_backtrace());
   }
+  const size_t collectives_size = collectives.size();
   auto kept = call->keep(CallTensors{std::move(args), outputs});
   for (auto& c : collectives) {
     c.device = call->device_index();
@@ -285,6 +286,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
   };
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), std::move(call),
                                            internal_title);
+  collectives_issued_ += collectives_size;  // after the self-test's, which the executor starts first
   queue_.submit(work, !async_op);
   return work;
 }

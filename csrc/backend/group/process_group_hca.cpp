@@ -200,22 +200,37 @@ void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
   if (table == cuda_tables_sharing_one_gpu_.end()) return;  // alike on every rank: the same options and size
   const auto call = life_.try_enter();
   if (!call) return;  // the group ended: the collective that asked says so
+  const std::string topic = "cuda_tensors_gpu";
   std::vector<std::string> gpus;
   try {
-    // A peer that died or failed ends the wait at once, as in a collective's
-    // (the store's wait keeps the deadline).
+    // The store's wait keeps the deadline; a peer that died or failed ends it
+    // at once, as in a collective's wait. So does a peer that started a
+    // collective this rank never issued without asking first: it called
+    // something else here (CPU tensors, or a collective that plans without
+    // the options), and waits for this rank in vain.
     WaitContext ctx = control_->begin("which GPU each rank's CUDA tensors are on", timeout_.load(), true);
     ctx.deadline = Clock::time_point::max();
+    const uint64_t issued = collectives_issued_.load();
     StoreRendezvous rendezvous(store_);
-    gpus = exchange_reports(rendezvous, "cuda_tensors_gpu", getRank(), getSize(), gpu, timeout_.load(), [&] {
+    gpus = exchange_reports(rendezvous, topic, getRank(), getSize(), gpu, timeout_.load(), [&] {
       for (int peer = 0; peer < getSize(); ++peer) {
-        if (peer != getRank()) control_->check_peer(peer, ctx);
+        if (peer == getRank()) continue;
+        control_->check_peer(peer, ctx);
+        if (control_->started_by(peer) > issued && !rendezvous.has(report_key(topic, peer))) {
+          throw Failure(FailureKind::Mismatch, ctx.operation, peer,
+                        "mismatched calls: rank " + std::to_string(getRank()) +
+                            "'s next collective is on CUDA tensors, but rank " + std::to_string(peer) + " called " +
+                            control_->last_started_signature(peer));
+        }
       }
     });
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError, std::string("hca: the group's first collective on CUDA tensors asks each rank "
-                                                  "which GPU its tensors are on, to choose its all-reduces: ") +
-                                          e.what());
+    const auto* failure = dynamic_cast<const Failure*>(&e);
+    const std::string message = std::string("hca: the group's first collective on CUDA tensors asks each rank which "
+                                            "GPU its tensors are on, to choose its all-reduces: ") +
+                                e.what();
+    fail(failure ? failure->kind() : FailureKind::Timeout, message);  // peers waiting on this rank learn why
+    C10_THROW_ERROR(DistBackendError, message);
   }
   if (std::all_of(gpus.begin(), gpus.end(), [&](const std::string& g) { return g == gpus.front(); })) {
     std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
@@ -313,6 +328,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
     return launch_on_stream(type, executor, std::move(args), std::move(collectives), std::move(outputs), async_op,
                             internal_title, std::move(before));
   }
+  const size_t collectives_size = collectives.size();
   auto body = [&executor, collectives = std::move(collectives), args = std::move(args), before = std::move(before)] {
     if (before) before();
     args.premultiply();
@@ -327,6 +343,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
   };
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), nullptr,
                                            internal_title);
+  collectives_issued_ += collectives_size;
   queue_.submit(work, !async_op);
   return work;
 }

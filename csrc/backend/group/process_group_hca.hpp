@@ -273,6 +273,9 @@ class ProcessGroupHCA : public c10d::Backend {
   PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups and their table
   const TablesByWorld cuda_tables_sharing_one_gpu_;
   std::once_flag cuda_choice_settled_;
+  // Collectives queued for the executors, in the order their control block
+  // starts them (the self-test's before the call that ran it).
+  std::atomic<uint64_t> collectives_issued_{0};
   mutable std::mutex cuda_choice_mutex_;  // cuda_options_.by_size, set by settle_cuda_choice
   std::string hierarchy_;
   std::string cpu_cost_model_ = "null";

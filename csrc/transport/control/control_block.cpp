@@ -239,6 +239,13 @@ void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
   if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
 }
 
+uint64_t ControlBlock::started_by(int peer) const { return slot(peer).started.load(std::memory_order_acquire); }
+
+std::string ControlBlock::last_started_signature(int peer) const {
+  const RankSlot& theirs = slot(peer);
+  return slot_text(theirs.signature[theirs.started.load(std::memory_order_acquire) % 2]);
+}
+
 void ControlBlock::check_usable(const std::string& operation) const {
   const RankSlot& mine = slot(rank_);
   if (mine.failed.load(std::memory_order_acquire)) {

@@ -133,6 +133,9 @@ class ControlBlock {
   void check_peer(int peer, const WaitContext& ctx) const;
   // Throws if `peer` has published a failure (only that: no liveness check).
   void check_peer_failed(int peer, const WaitContext& ctx) const;
+  // How many collectives `peer` has started, and the signature of its last (for messages).
+  uint64_t started_by(int peer) const;
+  std::string last_started_signature(int peer) const;
   // Why memory `peer` shares from its process may be gone now ("died", "left
   // its group", "failed": about to exit), empty while it is there. For the CPU
   // model of the device, which faults where a GPU would touching such memory.
