@@ -4,7 +4,6 @@ used by every rank whatever the others have cached or asked for."""
 import datetime
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time

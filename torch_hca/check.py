@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .bench import call, stock_refusal
 from .options import Options
 from .ranks import launched_by_torchrun, rank_device, run_on_ranks
-from .reference import (DTYPES, FLOATS, OPS as REDOPS, collective_reference, make_input, mismatch,
+from .reference import (DTYPES, OPS as REDOPS, collective_reference, make_input, mismatch,
                         reduce_reference, supported)
 
 SMALL_NUMELS = (1, 1001)
