@@ -9,6 +9,7 @@
 #include "../../transport/rendezvous.h"
 #include "../../transport/shm/shm_executor.h"
 #include "../../transport/stream/host_streams.h"
+#include "../../transport/stream/staging_place.h"
 #ifdef HCA_WITH_CUDA
 #include "../../transport/cuda/cuda_runtime.h"
 #endif
@@ -232,7 +233,7 @@ void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
     fail(failure ? failure->kind() : FailureKind::Timeout, message);  // peers waiting on this rank learn why
     C10_THROW_ERROR(DistBackendError, message);
   }
-  if (std::all_of(gpus.begin(), gpus.end(), [&](const std::string& g) { return g == gpus.front(); })) {
+  if (share_one_device(gpus)) {
     std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
     cuda_options_.by_size = table->second;
   }

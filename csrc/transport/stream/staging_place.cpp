@@ -20,11 +20,14 @@ StagingChoice choose_staging_place(Rendezvous& rendezvous, const std::string& to
   return {everyone ? StagingPlace::DeviceMemory : StagingPlace::HostMemory, devices};
 }
 
+bool share_one_device(const std::vector<std::string>& devices) {
+  return devices.size() >= 2 &&
+         std::all_of(devices.begin(), devices.end(), [&](const std::string& d) { return d == devices.front(); });
+}
+
 size_t ring_slot_bytes(size_t asked, const std::vector<std::string>& devices, size_t spread, size_t one_device) {
   if (asked != 0) return asked;
-  const bool one = devices.size() >= 2 && std::all_of(devices.begin(), devices.end(),
-                                                       [&](const std::string& d) { return d == devices.front(); });
-  return one ? one_device : spread;
+  return share_one_device(devices) ? one_device : spread;
 }
 
 }  // namespace hca

@@ -38,6 +38,10 @@ StagingChoice choose_staging_place(Rendezvous& rendezvous, const std::string& to
                                   const std::string& my_device, const std::function<bool(const std::string&)>& reaches,
                                   bool host_asked, std::chrono::milliseconds timeout);
 
+// Whether two or more ranks reported one and the same device (exchanged
+// reports, so the same answer on every rank): processes sharing a GPU.
+bool share_one_device(const std::vector<std::string>& devices);
+
 // The slot size for a ring: `asked` where it is set (non-zero), else
 // `one_device` where two or more ranks reported one and the same device
 // (StagingChoice::devices) and `spread` otherwise. Processes that share a GPU
