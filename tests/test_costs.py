@@ -198,8 +198,10 @@ def _choices_per_device(rank, world, gpus):
             continue
         before = _cuda_choice(group)
         group._get_backend(torch.device("cpu"))._settle_cuda_choice(gpus[rank])
+        cpu_model = torch_hca.hierarchy(group)["cost_model"]["cpu"]
         out[name] = {"before": before, "after": _cuda_choice(group),
-                     "cpu_by_size": group._get_backend(torch.device("cpu")).by_size(cuda=False)}
+                     "cpu_by_size": group._get_backend(torch.device("cpu")).by_size(cuda=False),
+                     "cpu_model": cpu_model and cpu_model.origin}
     inputs = [make_input(3, r, 1000, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.all_reduce(t)
@@ -209,6 +211,13 @@ def _choices_per_device(rank, world, gpus):
 
 GPU_LAYOUTS = {"shared": lambda world: ["GPU-0"] * world, "a GPU each": lambda world: [f"GPU-{r}" for r in range(world)],
                "the last apart": lambda world: ["GPU-0"] * (world - 1) + ["GPU-1"]}
+
+
+def _cpu_table(world):
+    """What a group of `world` of the test's ranks should plan CPU tensors with (no calibration is
+    cached here), and its model's origin."""
+    model = costs.shipped(world, len(os.sched_getaffinity(0))) if world > 1 else None
+    return (costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []), model and model.origin
 
 
 def _table(gpus):
@@ -224,7 +233,9 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
     says where its tensors are (made-up GPUs here), and where all are on one GPU the C++ group takes
     the table of as many ranks sharing one, the same on every rank; CPU tensors keep their own;
     fixed options choose nothing; a child split off asks for itself and takes its own size's table
-    (4 ranks: reduce_to_one_device; the child of 3: one pack), also where its parent found none."""
+    (4 ranks: reduce_to_one_device; the child of 3: one pack), also where its parent found none.
+    The child's CPU tensors too take its own size's table, not its parent's (on 2 CPUs, 4 and 3
+    ranks taking turns differ from 2 with a CPU each)."""
     gpus = GPU_LAYOUTS[layout](world)
     results = run_ranks(_choices_per_device, world, gpus)
     none = {"cuda": None, "cuda_by_size": [], "chosen": None, "its_hierarchy": True}
@@ -242,8 +253,12 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
         assert got["before"] == none, got
         assert got["after"]["cuda_by_size"] == want and got["after"]["cuda"] == (model and model.origin), got
         assert got["after"]["chosen"] == (model and model.choose(1 << 20)) and got["after"]["its_hierarchy"], got
-        assert bool(got["cpu_by_size"]) == (ranks > 1), got  # the CPU's own choice stays
-    assert results[0]["fixed"] == {"before": none, "after": none, "cpu_by_size": []}, results[0]["fixed"]
+    for name, ranks in (("world", world), ("child", world - 1)):
+        if ranks >= 1:
+            got = results[0][name]
+            assert (got["cpu_by_size"], got["cpu_model"]) == _cpu_table(ranks), (name, got)
+    assert results[0]["fixed"] == {"before": none, "after": none, "cpu_by_size": [], "cpu_model": None}, \
+        results[0]["fixed"]
 
 
 def _one_rank_never_asks(rank, world):

@@ -83,28 +83,30 @@ def _node_group(store, rank, size, timeout_ms, options):
     cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
     cpus = len(set().union(*(json.loads(c) for c in cpus)))
 
-    def make(store, options, by_size=(), cuda_tables=None):
+    def make(store, options, cpu_tables=None, cuda_tables=None):
         return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
-                                  options=options.plan_options(cpu.groups, by_size), cuda_groups=cuda.groups,
-                                  cuda_tables_sharing_one_gpu=cuda_tables or {},
+                                  options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
+                                  cpu_tables_by_world=cpu_tables or {}, cuda_tables_sharing_one_gpu=cuda_tables or {},
                                   shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                   cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                   cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
 
     names = costs.candidates(options.algorithm, options.num_packs)
-    model, cuda_tables = None, {}
+    cpu_tables, cuda_tables = {}, {}
     if names:
         model = costs.for_group(
             rank, size, cpus, cpu.groups,
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
             lambda algorithm, num_packs: make(dist.PrefixStore(f"hca_calibrate_{algorithm}{num_packs}/", store),
                                               dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)))
-        # For this group and any child split off: the group's first CUDA collective asks where
-        # each rank's tensors are, and uses its size's table where all are on one GPU.
+        # By world size, for this group and any child split off, each taking its own size's. CUDA
+        # tensors' at the group's first CUDA collective, where it finds all ranks' on one GPU.
+        if model:
+            cpu_tables = {world: (costs.plan_choices(m, names), json.dumps(m.to_json()))
+                          for world, m in costs.by_world(model, size, cpus).items()}
         cuda_tables = {world: costs.plan_choices(costs.sharing_one_gpu(world), names) for world in range(2, size + 1)}
-    group = make(store, options, costs.plan_choices(model, names) if model else (), cuda_tables)
+    group = make(store, options, cpu_tables, cuda_tables)
     group.hierarchy = topology.describe(cpu, cuda, places)
-    group.cpu_cost_model = json.dumps(model.to_json() if model else None)
     return group
 
 

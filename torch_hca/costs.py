@@ -211,6 +211,14 @@ def shipped(world: int, cpus: int) -> CostModel:
     return _table_model(SHIPPED_POINTS[measured], f"the shipped table ({measured} ranks on {SHIPPED_MACHINE})")
 
 
+def by_world(model: CostModel, world: int, cpus: int) -> Dict[int, CostModel]:
+    """The CPU models of a group of `world` ranks and of the children split off it, by their size
+    (2 up to `world`): the group's own `model`, and for the others the shipped table of their size.
+    Not a cached calibration: the cache is read on rank 0 only, at init, and keyed by groups that a
+    child's split has yet to choose; the shipped table is the same on every rank."""
+    return {size: model if size == world else shipped(size, cpus) for size in range(2, world + 1)}
+
+
 def sharing_one_gpu(world: int) -> Optional[CostModel]:
     """The model of CUDA tensors of `world` ranks that share one GPU: the shipped table of as many
     ranks (4 for more); None for one rank."""

@@ -213,7 +213,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int64_t timeout_ms,
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
                        int cuda_slots, bool cuda_host_staging, const std::string& cpu_executor,
-                       const Groups& cuda_groups, const std::map<int, ChoiceRows>& cuda_tables_sharing_one_gpu) {
+                       const Groups& cuda_groups,
+                       const std::map<int, std::pair<ChoiceRows, std::string>>& cpu_tables_by_world,
+                       const std::map<int, ChoiceRows>& cuda_tables_sharing_one_gpu) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
                cpu = CpuExecutor::HostStreams;
@@ -221,8 +223,13 @@ PYBIND11_MODULE(_C, m) {
                throw py::value_error("TORCH_HCA_CPU_EXECUTOR='" + cpu_executor +
                                     "': expected 'shm' (the default) or 'streams' (the stream executor on host threads)");
              }
-             ProcessGroupHCA::TablesByWorld tables;
-             for (const auto& [world, rows] : cuda_tables_sharing_one_gpu) tables[world] = size_choices(rows);
+             ProcessGroupHCA::ChoiceTables tables;
+             for (const auto& [world, table] : cpu_tables_by_world) {
+               tables.cpu[world] = {size_choices(table.first), table.second};
+             }
+             for (const auto& [world, rows] : cuda_tables_sharing_one_gpu) {
+               tables.cuda_sharing_one_gpu[world] = size_choices(rows);
+             }
              return GilFreeDestroy(c10::make_intrusive<ProcessGroupHCA>(
                  store, rank, size, std::chrono::milliseconds(timeout_ms), options, shm_slot_bytes, shm_slots,
                  cuda::CudaConfig{cuda_slot_bytes, cuda_slots, cuda_host_staging}, cpu, cuda_groups,
@@ -231,6 +238,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
            py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
+           py::arg("cpu_tables_by_world") = std::map<int, std::pair<ChoiceRows, std::string>>{},
            py::arg("cuda_tables_sharing_one_gpu") = std::map<int, ChoiceRows>{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm",
@@ -239,7 +247,7 @@ PYBIND11_MODULE(_C, m) {
                                                                    : "chosen per call";
                              })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
-      .def_property("cpu_cost_model", &ProcessGroupHCA::cpu_cost_model, &ProcessGroupHCA::set_cpu_cost_model)
+      .def_property_readonly("cpu_cost_model", &ProcessGroupHCA::cpu_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def(
           "by_size",

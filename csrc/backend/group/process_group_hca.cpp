@@ -19,25 +19,30 @@ namespace hca {
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
                                  int shm_slots, cuda::CudaConfig cuda_config, CpuExecutor cpu_executor,
-                                 Groups cuda_groups, TablesByWorld cuda_tables_sharing_one_gpu)
+                                 Groups cuda_groups, ChoiceTables tables)
     : c10d::Backend(rank, size),
       options_(std::move(options)),
-      cuda_options_(options_),
-      cuda_tables_sharing_one_gpu_(std::move(cuda_tables_sharing_one_gpu)),
+      tables_(std::move(tables)),
       timeout_(timeout),
       cuda_config_(cuda_config),
       shm_slot_bytes_(shm_slot_bytes),
       shm_slots_(shm_slots),
       cpu_executor_kind_(cpu_executor),
       store_(store) {
+  if (!tables_.cpu.empty()) {
+    const auto own = tables_.cpu.find(size);
+    options_.by_size = own == tables_.cpu.end() ? std::vector<SizeChoice>{} : own->second.first;
+    cpu_cost_model_ = own == tables_.cpu.end() ? "null" : own->second.second;
+  }
+  cuda_options_ = options_;
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);
   // The CPU path's choice per call does not hold for devices: theirs is measured apart.
   cuda_options_.by_size.clear();
   try {
     validate(options_, size);
     validate(cuda_options_, size);
-    const auto table = cuda_tables_sharing_one_gpu_.find(size);
-    if (table != cuda_tables_sharing_one_gpu_.end()) {  // refused now, not at the first CUDA collective
+    const auto table = tables_.cuda_sharing_one_gpu.find(size);
+    if (table != tables_.cuda_sharing_one_gpu.end()) {  // refused now, not at the first CUDA collective
       PlanOptions sharing = cuda_options_;
       sharing.by_size = table->second;
       validate(sharing, size);
@@ -171,16 +176,16 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   const auto reducer = std::find(ranks.begin(), ranks.end(), options_.reduce_to_device);
   options.reduce_to_device = reducer == ranks.end() ? -1 : static_cast<int>(reducer - ranks.begin());
   const int rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), getRank()) - ranks.begin());
+  // The tables by world size: the child takes its own size's.
   auto group = c10::make_intrusive<ProcessGroupHCA>(store, rank, static_cast<int>(ranks.size()), timeout,
                                                     std::move(options), shm_slot_bytes_, shm_slots_, cuda_config_,
                                                     cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks),
-                                                    cuda_tables_sharing_one_gpu_);
+                                                    tables_);
   std::string parent_ranks;
   for (int r : ranks) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +
                           R"(", "reason": "the parent group's, kept for its ranks )" + parent_ranks + R"("})";
   group->set_hierarchy(R"({"cpu": )" + how + R"(, "cuda": )" + how + R"(, "places": null})");
-  group->set_cpu_cost_model(cpu_cost_model_);  // its packing options are the parent's too
   // Its ranks in the world, from this group's (none known: this group is the world).
   std::vector<int64_t> global;
   for (int r : ranks) global.push_back(calls_.global_ranks().empty() ? r : calls_.global_ranks()[r]);
@@ -197,8 +202,8 @@ const PlanOptions& ProcessGroupHCA::options_for(const at::Device& device) {
 }
 
 void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
-  const auto table = cuda_tables_sharing_one_gpu_.find(getSize());
-  if (table == cuda_tables_sharing_one_gpu_.end()) return;  // alike on every rank: the same options and size
+  const auto table = tables_.cuda_sharing_one_gpu.find(getSize());
+  if (table == tables_.cuda_sharing_one_gpu.end()) return;  // alike on every rank: the same options and size
   const auto call = life_.try_enter();
   if (!call) return;  // the group ended: the collective that asked says so
   const std::string topic = "cuda_tensors_gpu";

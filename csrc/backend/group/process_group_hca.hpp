@@ -33,18 +33,25 @@ enum class CpuExecutor { SharedMemory, HostStreams };
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
+  // An all-reduce's choice per call, by the world size of the group it serves,
+  // so that a child split off finds its own size's (none for a size they lack).
+  struct ChoiceTables {
+    // CPU tensors: the table, and the cost model it came from (JSON, for torch_hca.explain).
+    std::map<int, std::pair<std::vector<SizeChoice>, std::string>> cpu;
+    // CUDA tensors of ranks that all share one GPU.
+    std::map<int, std::vector<SizeChoice>> cuda_sharing_one_gpu;
+  };
   // `options` must have been validated (validate(options, size) runs again here);
-  // they serve CPU tensors. CUDA tensors follow them but for their groups,
-  // `cuda_groups` (empty: the same), and their all-reduce's choice per call:
-  // none (the options' algorithm and packing) until the group's first CUDA
-  // collective finds every rank's tensors on one GPU (settle_cuda_choice); then
-  // `cuda_tables_sharing_one_gpu`'s table for this group's size (by world size,
-  // so that a child split off finds its own; none for a size it lacks).
-  using TablesByWorld = std::map<int, std::vector<SizeChoice>>;
+  // they serve CPU tensors, their choice per call `tables.cpu`'s of this size
+  // where it has tables (else the options' own). CUDA tensors follow them but
+  // for their groups, `cuda_groups` (empty: the same), and their choice per
+  // call: none (the options' algorithm and packing) until the group's first
+  // CUDA collective finds every rank's tensors on one GPU (settle_cuda_choice);
+  // then `tables.cuda_sharing_one_gpu`'s of this size.
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
                   cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory,
-                  Groups cuda_groups = {}, TablesByWorld cuda_tables_sharing_one_gpu = {});
+                  Groups cuda_groups = {}, ChoiceTables tables = {});
   ~ProcessGroupHCA() override;
 
   const std::string getBackendName() const override { return "hca"; }
@@ -76,9 +83,8 @@ class ProcessGroupHCA : public c10d::Backend {
   const std::string& hierarchy() const { return hierarchy_; }
   void set_hierarchy(std::string text) { hierarchy_ = std::move(text); }
   // The cost model that chose its CPU tensors' packs per call, for `torch_hca.explain`
-  // (JSON, "null" for none; set once by its maker). CUDA's follows from by_size(true).
+  // (JSON, "null" for none). CUDA's follows from by_size(true).
   const std::string& cpu_cost_model() const { return cpu_cost_model_; }
-  void set_cpu_cost_model(std::string json) { cpu_cost_model_ = std::move(json); }
   // Where CPU or CUDA tensors are staged, in words; empty before the first
   // collective that sets it up, in a build without CUDA, and once the group ended.
   std::string staging(bool cuda);
@@ -271,7 +277,7 @@ class ProcessGroupHCA : public c10d::Backend {
   GroupLife life_;  // every call and every ending goes through it
   PlanOptions options_;       // CPU tensors
   PlanOptions cuda_options_;  // CUDA tensors: the same but for the groups and their table
-  const TablesByWorld cuda_tables_sharing_one_gpu_;
+  const ChoiceTables tables_;
   std::once_flag cuda_choice_settled_;
   // Collectives queued for the executors, in the order their control block
   // starts them (the self-test's before the call that ran it).
