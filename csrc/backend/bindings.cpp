@@ -441,6 +441,8 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(span.head, span.unit, span.units, span.tail);
       },
       py::arg("dst"), py::arg("src"), py::arg("bytes"));
+  m.def("share_one_device", &share_one_device, py::arg("devices"),
+        "Whether ranks that report these devices are two or more sharing one (the rule of the CUDA table and slot)");
   m.def(
       "cuda_slot_bytes",
       [](size_t asked, const std::vector<std::string>& devices) {

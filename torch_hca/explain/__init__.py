@@ -174,7 +174,7 @@ def _cost_model(running, device, world_size, cpus, groups, gpus) -> Optional[cos
     if running is not None and (running["cost_model"][device] or device == "cuda"):
         return running["cost_model"][device]
     if device == "cuda":
-        return costs.sharing_one_gpu(world_size) if gpus and len(set(gpus)) == 1 else None
+        return costs.sharing_one_gpu(world_size) if _C.share_one_device([str(g) for g in gpus or ()]) else None
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
