@@ -187,7 +187,8 @@ def _cuda_choice(group):
 def _choices_per_device(rank, world, gpus):
     """For the world group (defaults), a group with num_packs fixed, and a child split off over all
     ranks but the last: each one's CUDA choice before and after its first CUDA collective asked
-    where every rank's tensors are (this rank's: GPU gpus[rank]; no GPU needed), and its CPU table."""
+    where every rank's tensors are (this rank's: GPU gpus[rank]; no GPU needed), after rank 0 alone
+    asks again as if on the last rank's GPU, and its CPU table."""
     out = {}
     fixed = dist.new_group(backend="hca", pg_options=torch_hca.Options(num_packs=1))
     parent = dist.new_group(backend="hca")
@@ -197,10 +198,14 @@ def _choices_per_device(rank, world, gpus):
         if group is None:
             continue
         before = _cuda_choice(group)
-        group._get_backend(torch.device("cpu"))._settle_cuda_choice(gpus[rank])
+        backend = group._get_backend(torch.device("cpu"))
+        backend._settle_cuda_choice(gpus[rank])
+        after = _cuda_choice(group)
+        if rank == 0:  # asked once per group: a second question, on one rank, changes nothing
+            backend._settle_cuda_choice(gpus[-1])
         cpu_model = torch_hca.hierarchy(group)["cost_model"]["cpu"]
-        out[name] = {"before": before, "after": _cuda_choice(group),
-                     "cpu_by_size": group._get_backend(torch.device("cpu")).by_size(cuda=False),
+        out[name] = {"before": before, "after": after, "again": backend.by_size(cuda=True),
+                     "cpu_by_size": backend.by_size(cuda=False),
                      "cpu_model": cpu_model and cpu_model.origin}
     inputs = [make_input(3, r, 1000, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
@@ -227,7 +232,7 @@ def _table(gpus):
 
 
 @pytest.mark.parametrize("world, layout", [(4, "shared"), (3, "shared"), (4, "a GPU each"), (3, "the last apart"),
-                                           (2, "shared"), (1, "shared")])
+                                           (2, "shared"), (2, "a GPU each"), (1, "shared")])
 def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, layout):
     """Until its first CUDA collective a group plans CUDA tensors with one pack; there every rank
     says where its tensors are (made-up GPUs here), and where all are on one GPU the C++ group takes
@@ -253,11 +258,12 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
         assert got["before"] == none, got
         assert got["after"]["cuda_by_size"] == want and got["after"]["cuda"] == (model and model.origin), got
         assert got["after"]["chosen"] == (model and model.choose(1 << 20)) and got["after"]["its_hierarchy"], got
+        assert got["again"] == want, got
     for name, ranks in (("world", world), ("child", world - 1)):
         if ranks >= 1:
             got = results[0][name]
             assert (got["cpu_by_size"], got["cpu_model"]) == _cpu_table(ranks), (name, got)
-    assert results[0]["fixed"] == {"before": none, "after": none, "cpu_by_size": [], "cpu_model": None}, \
+    assert results[0]["fixed"] == {"before": none, "after": none, "again": [], "cpu_by_size": [], "cpu_model": None}, \
         results[0]["fixed"]
 
 

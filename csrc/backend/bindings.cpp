@@ -252,7 +252,10 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "by_size",
           [](const ProcessGroupHCA& pg, bool cuda) { return choice_rows(pg.by_size(cuda)); }, py::arg("cuda"))
-      .def("_settle_cuda_choice", &ProcessGroupHCA::settle_cuda_choice, py::arg("gpu"),
+      .def(
+          "_settle_cuda_choice",
+          [](ProcessGroupHCA& pg, const std::string& gpu) { pg.settle_cuda_choice([&] { return gpu; }); },
+          py::arg("gpu"),
            py::call_guard<py::gil_scoped_release>())
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("staging_slot_bytes", &ProcessGroupHCA::staging_slot_bytes, py::arg("cuda"),

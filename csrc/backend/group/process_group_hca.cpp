@@ -196,12 +196,16 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
 const PlanOptions& ProcessGroupHCA::options_for(const at::Device& device) {
   if (!device.is_cuda()) return options_;
 #ifdef HCA_WITH_CUDA
-  std::call_once(cuda_choice_settled_, [&] { settle_cuda_choice(cuda::device_uuid(device.index())); });
+  settle_cuda_choice([&] { return cuda::device_uuid(device.index()); });
 #endif
   return cuda_options_;
 }
 
-void ProcessGroupHCA::settle_cuda_choice(const std::string& gpu) {
+void ProcessGroupHCA::settle_cuda_choice(const std::function<std::string()>& gpu) {
+  std::call_once(cuda_choice_settled_, [&] { ask_where_cuda_tensors_are(gpu()); });
+}
+
+void ProcessGroupHCA::ask_where_cuda_tensors_are(const std::string& gpu) {
   const auto table = tables_.cuda_sharing_one_gpu.find(getSize());
   if (table == tables_.cuda_sharing_one_gpu.end()) return;  // alike on every rank: the same options and size
   const auto call = life_.try_enter();

@@ -71,12 +71,13 @@ class ProcessGroupHCA : public c10d::Backend {
   const PlanOptions& options() const { return options_; }
   // The table that chooses all-reduces per call for CPU or CUDA tensors (empty: none).
   std::vector<SizeChoice> by_size(bool cuda) const;
-  // Every rank tells the others the GPU its CUDA tensors are on (`gpu`, its UUID)
-  // and, where all name one GPU, CUDA tensors take the table of ranks sharing
-  // one. Once per group, at its first CUDA collective that plans with the
-  // options (every rank plans its collectives in one order, so all ask at the
-  // same call and choose alike); tests call it with made-up GPUs.
-  void settle_cuda_choice(const std::string& gpu);
+  // Every rank tells the others the GPU its CUDA tensors are on (`gpu()`, its
+  // UUID) and, where all name one GPU, CUDA tensors take the table of ranks
+  // sharing one. Once per group (later calls return at once; one that failed
+  // is not counted), at its first CUDA collective that plans with the options:
+  // every rank plans its collectives in one order, so all ask at the same call
+  // and choose alike. Tests call it first, with made-up GPUs.
+  void settle_cuda_choice(const std::function<std::string()>& gpu);
   // The hierarchy's groups that plans for CPU or CUDA tensors follow.
   const Groups& groups(bool cuda) const { return cuda ? cuda_options_.groups : options_.groups; }
   // How the groups were found, for `torch_hca.hierarchy` (set once, by whoever made the group).
@@ -273,6 +274,7 @@ class ProcessGroupHCA : public c10d::Backend {
   std::chrono::milliseconds timeout_or_default(std::chrono::milliseconds timeout) const;
   // CUDA's: the choice settled first (settle_cuda_choice).
   const PlanOptions& options_for(const at::Device& device);
+  void ask_where_cuda_tensors_are(const std::string& gpu);
 
   GroupLife life_;  // every call and every ending goes through it
   PlanOptions options_;       // CPU tensors
