@@ -349,6 +349,21 @@ def held_out_ratio(default, fixed):
     return statistics.mean(ratios)
 
 
+def within_summary(table):
+    """How many sizes the defaults are within 1.05x at, and what the others' gap is where that is known:
+    in a sweep (no --ops choice) each setting was timed after the other, and what
+    the defaults ran is not recorded."""
+    behind = [t for t in table if t["ratio"] > 1.05]
+    text = f"the defaults within 1.05x of the fastest fixed setting at {len(table) - len(behind)} of {len(table)} sizes"
+    if not behind:
+        return text
+    if any(t["ran"] is None for t in behind):
+        return (text + f"; the sweep timed each setting after the other, so the {len(behind)} others' "
+                "gaps include the machine's drift (--ops choice alternates them)")
+    same = [t for t in behind if t["ran"] == t["best_fixed"]]
+    return text + f"; of the {len(behind)} others, {len(same)} ran that very setting (the gap is noise)"
+
+
 def print_defaults_vs_best(table):
     if not table:
         return
@@ -362,10 +377,7 @@ def print_defaults_vs_best(table):
         held_out = f"{t['held_out']:.2f}" if t.get("held_out") else ""
         print(f"| {t['op']} | {t['world_size']} | {t['size']} | {t['default_us']:.1f} | {(t['ran'] or '')[4:]} | "
               f"{t['best_fixed'][4:]} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {held_out} | {noise} |")
-    behind = [t for t in table if t["ratio"] > 1.05]
-    same = [t for t in behind if t["ran"] == t["best_fixed"]]
-    print(f"\nthe defaults within 1.05x of the fastest fixed setting at {len(table) - len(behind)} of {len(table)} "
-          f"sizes; of the {len(behind)} others, {len(same)} ran that very setting (the gap is noise)")
+    print("\n" + within_summary(table))
     judged = [t for t in table if t.get("held_out")]
     if judged:
         print(f"held out (the fastest picked on other batches than it is timed on): within 1.05x at "

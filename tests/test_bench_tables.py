@@ -38,6 +38,16 @@ def test_no_held_out_ratio_without_halves():
     assert t["held_out"] is None
 
 
+def test_the_summary_blames_noise_only_where_it_knows_what_the_defaults_ran():
+    chosen = bench.defaults_vs_best([{**row(bench.DEFAULTS, 11.0), "ran": "hca/a"}, row("hca/a", 10.0)])
+    assert bench.within_summary(chosen).endswith("at 0 of 1 sizes; of the 1 others, 1 ran that very setting "
+                                                 "(the gap is noise)")
+    swept = bench.defaults_vs_best([row(bench.DEFAULTS, 11.0), row("hca/a", 10.0)])
+    assert "timed each setting after the other" in bench.within_summary(swept) and "noise" not in bench.within_summary(swept)
+    assert bench.within_summary(bench.defaults_vs_best([row(bench.DEFAULTS, 10.0), row("hca/a", 10.0)])) == \
+        "the defaults within 1.05x of the fastest fixed setting at 1 of 1 sizes"
+
+
 def halves_of_known_samples(rank, world):
     # The slowest rank's time in each batch (rank 1 is slower in odd batches), split 0,1,4,5,.. / 2,3,6,7,..
     samples = {"m": [float(b + (100 if rank == 1 and b % 2 else 0)) for b in range(8)]}
