@@ -251,18 +251,17 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
         assert {k: v for k, v in out.items() if k != "child"} == {k: v for k, v in results[0].items() if k != "child"}
         assert out["wrong"] is None, out
     for name, ranks in (("world", world), ("child", world - 1)):
-        if ranks < 2:
+        if ranks < 1:
             continue
         got = results[0][name]
+        assert (got["cpu_by_size"], got["cpu_model"]) == _cpu_table(ranks), (name, got)
+        if ranks < 2:
+            continue
         want, model = _table(gpus[:ranks])
         assert got["before"] == none, got
         assert got["after"]["cuda_by_size"] == want and got["after"]["cuda"] == (model and model.origin), got
         assert got["after"]["chosen"] == (model and model.choose(1 << 20)) and got["after"]["its_hierarchy"], got
         assert got["again"] == want, got
-    for name, ranks in (("world", world), ("child", world - 1)):
-        if ranks >= 1:
-            got = results[0][name]
-            assert (got["cpu_by_size"], got["cpu_model"]) == _cpu_table(ranks), (name, got)
     assert results[0]["fixed"] == {"before": none, "after": none, "again": [], "cpu_by_size": [], "cpu_model": None}, \
         results[0]["fixed"]
 

@@ -31,8 +31,9 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       store_(store) {
   if (!tables_.cpu.empty()) {
     const auto own = tables_.cpu.find(size);
-    options_.by_size = own == tables_.cpu.end() ? std::vector<SizeChoice>{} : own->second.first;
-    cpu_cost_model_ = own == tables_.cpu.end() ? "null" : own->second.second;
+    const CpuTable table = own == tables_.cpu.end() ? CpuTable{{}, "null"} : own->second;
+    options_.by_size = table.by_size;
+    cpu_cost_model_ = table.cost_model;
   }
   cuda_options_ = options_;
   if (!cuda_groups.empty()) cuda_options_.groups = std::move(cuda_groups);

@@ -33,13 +33,17 @@ enum class CpuExecutor { SharedMemory, HostStreams };
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
-  // An all-reduce's choice per call, by the world size of the group it serves,
-  // so that a child split off finds its own size's (none for a size they lack).
+  // A CPU all-reduce's choice per call, and the cost model it came from (JSON,
+  // for torch_hca.explain).
+  struct CpuTable {
+    std::vector<SizeChoice> by_size;
+    std::string cost_model;
+  };
+  // The choices by the world size of the group they serve, so that a child
+  // split off finds its own size's (none for a size they lack).
   struct ChoiceTables {
-    // CPU tensors: the table, and the cost model it came from (JSON, for torch_hca.explain).
-    std::map<int, std::pair<std::vector<SizeChoice>, std::string>> cpu;
-    // CUDA tensors of ranks that all share one GPU.
-    std::map<int, std::vector<SizeChoice>> cuda_sharing_one_gpu;
+    std::map<int, CpuTable> cpu;
+    std::map<int, std::vector<SizeChoice>> cuda_sharing_one_gpu;  // ranks that all share one GPU
   };
   // `options` must have been validated (validate(options, size) runs again here);
   // they serve CPU tensors, their choice per call `tables.cpu`'s of this size
