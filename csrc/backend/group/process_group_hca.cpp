@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 
+#include "host_heap.hpp"
 #include "../../transport/rendezvous.h"
 #include "../../transport/shm/shm_executor.h"
 #include "../../transport/stream/host_streams.h"
@@ -29,6 +30,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       shm_slots_(shm_slots),
       cpu_executor_kind_(cpu_executor),
       store_(store) {
+  raise_heap_thresholds_as_after_a_large_free();
   if (!tables_.cpu.empty()) {
     const auto own = tables_.cpu.find(size);
     const CpuTable table = own == tables_.cpu.end() ? CpuTable{{}, "null"} : own->second;
