@@ -2,6 +2,7 @@
 make, the shipped table, a calibration cached per machine and world shape, and rank 0's model
 used by every rank whatever the others have cached or asked for."""
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -264,6 +265,68 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
         assert got["again"] == want, got
     assert results[0]["fixed"] == {"before": none, "after": none, "again": [], "cpu_by_size": [], "cpu_model": None}, \
         results[0]["fixed"]
+
+
+def _pin(cpus_of_ranks, rank):
+    os.sched_setaffinity(0, cpus_of_ranks[rank])
+
+
+def _children_tables(rank, world):
+    """The CPU table and its origin of the world group and of the two 2-rank children split off it,
+    ranks 0 and 1 and ranks 1 and 2 (each rank asks for the children it is in), and an all-reduce
+    of each child checked."""
+    out = {}
+    for name, ranks in (("world", [0, 1, 2]), ("0 and 1", [0, 1]), ("1 and 2", [1, 2])):
+        group = dist.group.WORLD if name == "world" else dist.new_subgroups_by_enumeration(
+            [ranks, [r for r in range(world) if r not in ranks]], backend="hca")[0]
+        if rank not in ranks:
+            continue
+        model = torch_hca.hierarchy(group)["cost_model"]["cpu"]
+        out[name] = (group._get_backend(torch.device("cpu")).by_size(cuda=False), model and model.origin)
+    return out
+
+
+def _split_children_tables(rank, world):
+    """The same, the children split off the world group (split_group), which counts their CPUs from
+    what the ranks reported at the world group's init."""
+    out = {}
+    parent = dist.new_group(backend="hca")
+    for name, ranks in (("0 and 1", [0, 1]), ("1 and 2", [1, 2])):
+        child = parent.split_group(ranks, timeout=datetime.timedelta(seconds=30), group_name=name)
+        if child is None:
+            continue
+        model = torch_hca.hierarchy(child)["cost_model"]["cpu"]
+        out[name] = (child._get_backend(torch.device("cpu")).by_size(cuda=False), model and model.origin)
+        inputs = [make_input(5, r, 3000, torch.float32, "SUM") for r in range(2)]
+        t = inputs[ranks.index(rank)].clone()
+        dist.all_reduce(t, group=child)
+        out[name + " wrong"] = mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), 2)
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two CPUs to pin ranks on")
+def test_a_child_split_off_counts_its_own_ranks_cpus():
+    """Ranks 0 and 1 pinned to one CPU, rank 2 to another: the world group's 3 ranks and the child
+    of ranks 0 and 1 take turns on fewer CPUs than ranks (the shipped 3-rank table), the child of
+    ranks 1 and 2 has a CPU each (the 2-rank table), as fresh groups of the same ranks do. On the
+    code before, both children took the 2-rank table: the parent's count of CPUs, 2."""
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    pinned = [{first}, {first}, {second}]
+
+    def table(size, cpus):
+        model = costs.shipped(size, cpus)
+        return costs.plan_choices(model, tuple(costs.CANDIDATES)), model.origin
+
+    want = {"world": table(3, 2), "0 and 1": table(2, 1), "1 and 2": table(2, 2)}
+    assert want["0 and 1"] != want["1 and 2"]
+    fresh = run_ranks(_children_tables, 3, before_init=functools.partial(_pin, pinned))
+    split = run_ranks(_split_children_tables, 3, before_init=functools.partial(_pin, pinned))
+    for rank in range(3):
+        mine = {name: value for name, value in want.items() if name == "world" or str(rank) in name}
+        assert fresh[rank] == mine, (rank, fresh[rank])
+        assert {k: v for k, v in split[rank].items() if "wrong" not in k} == \
+            {k: v for k, v in mine.items() if k != "world"}, (rank, split[rank])
+        assert all(v is None for k, v in split[rank].items() if "wrong" in k), split[rank]
 
 
 def _one_rank_never_asks(rank, world):

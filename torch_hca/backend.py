@@ -80,13 +80,16 @@ def incarnation_store(store, rank):
 def _node_group(store, rank, size, timeout_ms, options):
     """hca's own group over the ranks of one node, its hierarchy from where they run (groups="auto")."""
     cpu, cuda, places = topology.resolve(options.groups, store, rank, size, timeout_ms)
-    cpus = _C.exchange_reports(store, "cpus", rank, size, json.dumps(sorted(os.sched_getaffinity(0))), timeout_ms)
-    cpus = len(set().union(*(json.loads(c) for c in cpus)))
+    cpus_of_ranks = [json.loads(c) for c in _C.exchange_reports(store, "cpus", rank, size,
+                                                                   json.dumps(sorted(os.sched_getaffinity(0))),
+                                                                   timeout_ms)]
+    cpus = len(set().union(*cpus_of_ranks))
 
     def make(store, options, cpu_tables=None, cuda_tables=None):
         return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
                                   options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
-                                  cpu_tables_by_world=cpu_tables or {}, cuda_tables_sharing_one_gpu=cuda_tables or {},
+                                  cpu_tables=cpu_tables or {}, cpus_of_ranks=cpus_of_ranks,
+                                  cuda_tables_sharing_one_gpu=cuda_tables or {},
                                   shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                   cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                   cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
@@ -99,11 +102,12 @@ def _node_group(store, rank, size, timeout_ms, options):
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
             lambda algorithm, num_packs: make(dist.PrefixStore(f"hca_calibrate_{algorithm}{num_packs}/", store),
                                               dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)))
-        # By world size, for this group and any child split off, each taking its own size's. CUDA
-        # tensors' at the group's first CUDA collective, where it finds all ranks' on one GPU.
+        # By world size (and, for CPU tensors, whether the ranks have fewer CPUs than ranks), for this
+        # group and any child split off, each taking its own. CUDA tensors' at the group's first CUDA
+        # collective, where it finds all ranks' on one GPU.
         if model:
-            cpu_tables = {world: (costs.plan_choices(m, names), json.dumps(m.to_json()))
-                          for world, m in costs.by_world(model, size, cpus).items()}
+            cpu_tables = {key: (costs.plan_choices(m, names), json.dumps(m.to_json()))
+                          for key, m in costs.by_world(model, size, cpus).items()}
         cuda_tables = {world: costs.plan_choices(costs.sharing_one_gpu(world), names) for world in range(2, size + 1)}
     group = make(store, options, cpu_tables, cuda_tables)
     group.hierarchy = topology.describe(cpu, cuda, places)

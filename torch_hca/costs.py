@@ -211,12 +211,16 @@ def shipped(world: int, cpus: int) -> CostModel:
     return _table_model(SHIPPED_POINTS[measured], f"the shipped table ({measured} ranks on {SHIPPED_MACHINE})")
 
 
-def by_world(model: CostModel, world: int, cpus: int) -> Dict[int, CostModel]:
-    """The CPU models of a group of `world` ranks and of the children split off it, by their size
-    (2 up to `world`): the group's own `model`, and for the others the shipped table of their size.
-    Not a cached calibration: the cache is read on rank 0 only, at init, and keyed by groups that a
-    child's split has yet to choose; the shipped table is the same on every rank."""
-    return {size: model if size == world else shipped(size, cpus) for size in range(2, world + 1)}
+def by_world(model: CostModel, world: int, cpus: int) -> Dict[Tuple[int, bool], CostModel]:
+    """The CPU models of a group of `world` ranks on `cpus` CPUs and of the children split off it,
+    by their size (2 up to `world`) and whether their ranks have fewer CPUs between them than ranks
+    (the child counts its own ranks' CPUs): the group's own `model`, and for the others the shipped
+    table of their size. Not a cached calibration: the cache is read on rank 0 only, at init, and
+    keyed by groups that a child's split has yet to choose; the shipped table is the same on every
+    rank."""
+    children = {(size, fewer): shipped(size, size - 1 if fewer else size)
+                for size in range(2, world) for fewer in (False, True)}
+    return {**children, (world, cpus < world): model}
 
 
 def sharing_one_gpu(world: int) -> Optional[CostModel]:

@@ -214,7 +214,8 @@ PYBIND11_MODULE(_C, m) {
                        const PlanOptions& options, size_t shm_slot_bytes, int shm_slots, size_t cuda_slot_bytes,
                        int cuda_slots, bool cuda_host_staging, const std::string& cpu_executor,
                        const Groups& cuda_groups,
-                       const std::map<int, std::pair<ChoiceRows, std::string>>& cpu_tables_by_world,
+                       const std::map<std::pair<int, bool>, std::pair<ChoiceRows, std::string>>& cpu_tables,
+                       const std::vector<std::vector<int>>& cpus_of_ranks,
                        const std::map<int, ChoiceRows>& cuda_tables_sharing_one_gpu) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
@@ -224,9 +225,10 @@ PYBIND11_MODULE(_C, m) {
                                     "': expected 'shm' (the default) or 'streams' (the stream executor on host threads)");
              }
              ProcessGroupHCA::ChoiceTables tables;
-             for (const auto& [world, table] : cpu_tables_by_world) {
-               tables.cpu[world] = {size_choices(table.first), table.second};
+             for (const auto& [key, table] : cpu_tables) {
+               tables.cpu[key] = {size_choices(table.first), table.second};
              }
+             tables.cpus_of_ranks = cpus_of_ranks;
              for (const auto& [world, rows] : cuda_tables_sharing_one_gpu) {
                tables.cuda_sharing_one_gpu[world] = size_choices(rows);
              }
@@ -238,7 +240,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("options"),
            py::arg("shm_slot_bytes"), py::arg("shm_slots"), py::arg("cuda_slot_bytes"), py::arg("cuda_slots"),
            py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
-           py::arg("cpu_tables_by_world") = std::map<int, std::pair<ChoiceRows, std::string>>{},
+           py::arg("cpu_tables") = std::map<std::pair<int, bool>, std::pair<ChoiceRows, std::string>>{},
+           py::arg("cpus_of_ranks") = std::vector<std::vector<int>>{},
            py::arg("cuda_tables_sharing_one_gpu") = std::map<int, ChoiceRows>{},
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm",

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <set>
 
 #include "host_heap.hpp"
 #include "../../transport/rendezvous.h"
@@ -16,6 +17,16 @@
 #endif
 
 namespace hca {
+namespace {
+
+// Whether ranks with these CPUs (each rank's) have fewer CPUs between them than ranks.
+bool fewer_cpus_than_ranks(const std::vector<std::vector<int>>& cpus_of_ranks) {
+  std::set<int> cpus;
+  for (const auto& mine : cpus_of_ranks) cpus.insert(mine.begin(), mine.end());
+  return cpus.size() < cpus_of_ranks.size();
+}
+
+}  // namespace
 
 ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes,
@@ -32,7 +43,9 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       store_(store) {
   raise_heap_thresholds_as_after_a_large_free();
   if (!tables_.cpu.empty()) {
-    const auto own = tables_.cpu.find(size);
+    TORCH_CHECK_VALUE(tables_.cpus_of_ranks.size() == static_cast<size_t>(size), "hca: CPU tables need the CPUs of each of ",
+                      size, " ranks, got ", tables_.cpus_of_ranks.size());
+    const auto own = tables_.cpu.find({size, fewer_cpus_than_ranks(tables_.cpus_of_ranks)});
     const CpuTable table = own == tables_.cpu.end() ? CpuTable{{}, "null"} : own->second;
     options_.by_size = table.by_size;
     cpu_cost_model_ = table.cost_model;
@@ -179,11 +192,16 @@ c10::intrusive_ptr<ProcessGroupHCA> ProcessGroupHCA::child(const c10::intrusive_
   const auto reducer = std::find(ranks.begin(), ranks.end(), options_.reduce_to_device);
   options.reduce_to_device = reducer == ranks.end() ? -1 : static_cast<int>(reducer - ranks.begin());
   const int rank = static_cast<int>(std::lower_bound(ranks.begin(), ranks.end(), getRank()) - ranks.begin());
-  // The tables by world size: the child takes its own size's.
+  // The tables by world size and CPUs: the child takes its own, from its own ranks' CPUs.
+  ChoiceTables tables = tables_;
+  if (!tables.cpus_of_ranks.empty()) {
+    tables.cpus_of_ranks.clear();
+    for (int r : ranks) tables.cpus_of_ranks.push_back(tables_.cpus_of_ranks[r]);
+  }
   auto group = c10::make_intrusive<ProcessGroupHCA>(store, rank, static_cast<int>(ranks.size()), timeout,
                                                     std::move(options), shm_slot_bytes_, shm_slots_, cuda_config_,
                                                     cpu_executor_kind_, restrict_groups(cuda_options_.groups, ranks),
-                                                    tables_);
+                                                    std::move(tables));
   std::string parent_ranks;
   for (int r : ranks) parent_ranks += (parent_ranks.empty() ? "" : ",") + std::to_string(r);
   const std::string how = std::string(R"({"groups": [], "basis": ")") + basis +

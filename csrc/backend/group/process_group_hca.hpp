@@ -40,13 +40,16 @@ class ProcessGroupHCA : public c10d::Backend {
     std::string cost_model;
   };
   // The choices by the world size of the group they serve, so that a child
-  // split off finds its own size's (none for a size they lack).
+  // split off finds its own size's (none for a size they lack). CPU tensors'
+  // also by whether the ranks have fewer CPUs between them than ranks (they
+  // take turns), counted from each rank's CPUs so that a child counts its own.
   struct ChoiceTables {
-    std::map<int, CpuTable> cpu;
+    std::map<std::pair<int, bool>, CpuTable> cpu;
+    std::vector<std::vector<int>> cpus_of_ranks;
     std::map<int, std::vector<SizeChoice>> cuda_sharing_one_gpu;  // ranks that all share one GPU
   };
   // `options` must have been validated (validate(options, size) runs again here);
-  // they serve CPU tensors, their choice per call `tables.cpu`'s of this size
+  // they serve CPU tensors, their choice per call `tables.cpu`'s of this size and CPUs
   // where it has tables (else the options' own). CUDA tensors follow them but
   // for their groups, `cuda_groups` (empty: the same), and their choice per
   // call: none (the options' algorithm and packing) until the group's first
