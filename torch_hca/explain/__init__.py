@@ -66,7 +66,7 @@ def _slot_bytes(device, running, gpus):
     staged = running and running["staging_slot_bytes"][device]
     if staged:
         return staged
-    return shm_chunk_bytes() if device == "cpu" else _C.cuda_slot_bytes(cuda_chunk_bytes(), [str(g) for g in gpus or ()])
+    return shm_chunk_bytes() if device == "cpu" else _C.cuda_slot_bytes(cuda_chunk_bytes(), gpus)
 
 
 def explain(
@@ -129,6 +129,7 @@ def explain(
         raise ValueError("explain: give world_size, or a running group")
     if gpus is not None and len(gpus) != world_size:
         raise ValueError(f"gpus: {len(gpus)} GPUs for a world of {world_size} ranks")
+    gpus = [str(g) for g in gpus or ()]  # as the C++ rule compares them; none given: one GPU per rank
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
     hierarchy = found or _hierarchy(options.groups, world_size, numa_nodes, packages)
@@ -174,7 +175,7 @@ def _cost_model(running, device, world_size, cpus, groups, gpus) -> Optional[cos
     if running is not None and (running["cost_model"][device] or device == "cuda"):
         return running["cost_model"][device]
     if device == "cuda":
-        return costs.sharing_one_gpu(world_size) if _C.share_one_device([str(g) for g in gpus or ()]) else None
+        return costs.sharing_one_gpu(world_size) if _C.share_one_device(gpus) else None
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 
