@@ -59,8 +59,7 @@ def _mapped_before_and_after(rank, world):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_buffers_up_to_32_mib_come_from_the_heap_once_a_group_exists(world):
-    for before, after, smaller_after in run_ranks(_mapped_before_and_after, world,
-                                                  before_init=functools.partial(_before_init, False)):
+    for before, after, _ in run_ranks(_mapped_before_and_after, world, before_init=functools.partial(_before_init, False)):
         assert before, "a 20 MiB tensor should get a mapping of its own in a fresh process"
         assert not after, "after init, a 28 MiB tensor should come from the heap"
 
