@@ -407,3 +407,44 @@ def test_premul_sum(world, device):
         assert "ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in ints, ints
         if device != "cuda":
             assert "hca allreduce: ReduceOp.PREMUL_SUM is not supported for Int (floating dtypes only)" in passthrough
+
+
+# The plans whose last reducer folds every input at once. hierarchical_copy's groups of 2 at 4 ranks
+# store their partial sums in the dtype first: one rounding per reduce step, as documented.
+AVG_CONFIGS = [("reduce_to_one_device", dict()), ("direct", dict(num_packs=2))]
+ONE_STEP_HIERARCHY = [("hierarchical_copy", dict(num_packs=1)), ("hierarchical_copy", dict(num_packs=3))]
+
+
+def _exact_halves(case, rank, numel, dtype):
+    """Multiples of 1/16 with as many significant bits as `dtype` holds: exact in it, and four of them
+    add up exactly in float32, so that a sum's rounding can only come from storing it."""
+    bits = 8 if dtype == torch.bfloat16 else 11
+    g = torch.Generator().manual_seed(case * 7919 + rank)
+    return (torch.randint(-(1 << bits) + 1, 1 << bits, (numel,), generator=g).double() / 16).to(dtype)
+
+
+def _avg_of_halves(rank, world, device):
+    """AVG of fp16/bf16 divides before it rounds: each element is the exact mean, rounded once."""
+    dev = rank_device(device, rank)
+    errors, case = [], 1900
+    for algorithm, config in AVG_CONFIGS + (ONE_STEP_HIERARCHY if world <= 3 else []):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, **config))
+        for dtype in (torch.float16, torch.bfloat16):
+            for numel in (1003, BIG):
+                case += 1
+                inputs = [_exact_halves(case, r, numel * world, dtype) for r in range(world)]
+                want = (sum(x.double() for x in inputs) / world).to(dtype)
+                t = inputs[rank].to(dev, copy=True)
+                dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group)
+                name = f"{algorithm} {config} {dtype} numel={numel}"
+                errors.append(mismatch(f"all_reduce {name}", t, want, 1, exact=True))
+                out = torch.empty(numel, dtype=dtype, device=dev)
+                reduce_scatter_single(out, inputs[rank].to(dev), op=dist.ReduceOp.AVG, group=group)
+                errors.append(mismatch(f"reduce_scatter {name}", out, want[numel * rank:numel * (rank + 1)], 1,
+                                       exact=True))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_avg_of_half_dtypes_rounds_once(world, device):
+    assert run_ranks(_avg_of_halves, world, device, env=SMALL_CHUNKS) == [[]] * world

@@ -82,19 +82,20 @@ def tolerance(dtype, world_size):
     return dict(rtol=0, atol=0)
 
 
-def wrong_elements(got, want, world_size):
-    """A bool tensor: which elements of `got` differ from `want` beyond the dtype's tolerance."""
+def wrong_elements(got, want, world_size, exact=False):
+    """A bool tensor: which elements of `got` differ from `want` beyond the dtype's tolerance (at all
+    where `exact`)."""
     tol = tolerance(want.dtype, world_size)
     a, b = got.cpu().to(torch.float64).flatten(), want.cpu().to(torch.float64).flatten()
-    return ~torch.isclose(a, b, **tol) if tol["rtol"] or tol["atol"] else a != b
+    return ~torch.isclose(a, b, **tol) if (tol["rtol"] or tol["atol"]) and not exact else a != b
 
 
-def mismatch(name, got, want, world_size):
-    """None if every element of `got` matches `want`, else a description."""
+def mismatch(name, got, want, world_size, exact=False):
+    """None if every element of `got` matches `want` (bit for bit where `exact`), else a description."""
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
-    bad = wrong_elements(got, want, world_size)
+    bad = wrong_elements(got, want, world_size, exact)
     if bad.any():
         a, b = got.to(torch.float64).flatten(), want.to(torch.float64).flatten()  # first bad element by flat index
         i = int(bad.nonzero()[0])

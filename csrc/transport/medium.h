@@ -20,12 +20,11 @@ class Medium {
   virtual int slots() const = 0;
 
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;
-  // dst[i] = first[i] ⊕ srcs[0][i] ⊕ ... for n elements (first may be dst), one
-  // rounding per element for fp16/bf16; if `out` is given, out[i] = that / divisor too.
+  // dst[i] = (first[i] ⊕ srcs[0][i] ⊕ ...) / divisor for n elements (first may
+  // be dst), one rounding per element for fp16/bf16, after the divide; if `out`
+  // is given, out[i] = the same.
   virtual void reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc,
                       size_t n, void* out, int divisor) = 0;
-  // dst[i] = src[i] / divisor (a copy for divisor 1).
-  virtual void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) = 0;
 
   // Until `peer`'s progress word reaches `at_least` (cyclic compare); `ctx`
   // bounds host waits (a stream's waits are bounded by its executor's watchdog).

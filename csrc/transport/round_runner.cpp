@@ -126,7 +126,7 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
                         }
                         medium_.reduce(pack.dtype, op, staged + at * es, fused ? in : staged + at * es,
                                        at_span_.data(), at_span_.size(), n, final_step ? out : nullptr,
-                                       state.divisor);
+                                       final_step ? state.divisor : 1);
                       });
       }
     }
@@ -134,9 +134,10 @@ void RoundRunner::run_step(const RoundState& state, size_t s, const WaitContext&
     const char* from = medium_.staging(copy_from, state.round) + piece.offset;
     if (!role.direct) medium_.copy(staged, from, piece.count * es);
     if (final_step) {
+      // The result as the last reducer left it (an AVG already divided there).
       for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
                     [&](const char*, char* out, size_t at, size_t n) {
-                      medium_.scale_copy(pack.dtype, out, (role.direct ? from : staged) + at * es, n, state.divisor);
+                      medium_.copy(out, (role.direct ? from : staged) + at * es, n * es);
                     });
     }
   }
@@ -160,21 +161,22 @@ void RoundRunner::reduce_beside_readers(const RoundState& state, const Piece& pi
                     at_span_[i - 1] = static_cast<const char*>(sources_[i]) + at * es;
                   }
                   medium_.reduce(pack.dtype, state.collective.op, out, static_cast<const char*>(sources_[0]) + at * es,
-                                 at_span_.data(), at_span_.size(), n, state.divisor == 1 ? nullptr : out,
-                                 state.divisor);
+                                 at_span_.data(), at_span_.size(), n, nullptr, state.divisor);
                 });
 }
 
 void RoundRunner::finish_round(const RoundState& state) {
-  // A result rank that received nothing (broadcast's src, a world of one) outputs its input.
+  // A result rank that received nothing (broadcast's src, a world of one: no divisor) outputs its input.
   const auto& plan = *state.collective.plan;
   for (const Piece& piece : state.pieces) {
     const Role& role = state.roles[piece.pack];
     if (!role.result || role.last_in >= 0) continue;
+    if (state.divisor != 1) throw std::logic_error("hca: a rank of an AVG outputs its input unreduced");
     const Pack& pack = plan[piece.pack].pack;
+    const size_t es = element_size(pack.dtype);
     for_each_span(pack, state.collective.tensors, piece.begin, piece.count,
                   [&](const char* in, char* out, size_t, size_t n) {
-                    medium_.scale_copy(pack.dtype, out, in, n, state.divisor);
+                    if (out != in) medium_.copy(out, in, n * es);
                   });
   }
 }

@@ -295,9 +295,6 @@ class CudaDevice final : public StreamDevice {
               size_t nsrc, size_t n, void* out, int divisor) override {
     reduce_async(cuda(stream), released_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
-  void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    scale_copy_async(cuda(stream), released_, dtype, dst, src, n, divisor);
-  }
   void wait_progress(Stream stream, int rank, uint32_t value) override {
     ops_.wait_geq(cuda(stream), registered_.progress_word(rank), value);
   }

@@ -76,19 +76,11 @@ __global__ void reduce_kernel(ReleaseWords released, T* dst, const T* first, Sou
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
     auto acc = Tr::load(first[i]);
     for (int s = 0; s < nsrc; ++s) acc = Op::apply(acc, Tr::load(static_cast<const T*>(srcs.p[s])[i]));
+    // An AVG divides before its one rounding, so that it rounds as the SUM does.
+    if (divisor != 1) acc = acc / static_cast<typename Tr::Acc>(divisor);
     const T v = Tr::store(acc);
     dst[i] = v;
-    if (out) out[i] = divisor == 1 ? v : Tr::store(Tr::load(v) / static_cast<typename Tr::Acc>(divisor));
-  }
-}
-
-template <class T>
-__global__ void scale_kernel(ReleaseWords released, T* dst, const T* src, size_t n, int divisor) {
-  if (released_now(released)) return;
-  using Tr = Traits<T>;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    dst[i] = Tr::store(Tr::load(src[i]) / static_cast<typename Tr::Acc>(divisor));
+    if (out) out[i] = v;
   }
 }
 
@@ -97,7 +89,7 @@ unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n
 template <class T, class Op>
 void launch_reduce(cudaStream_t stream, ReleaseWords released, void* dst, const void* first,
                    const void* const* srcs, size_t nsrc, size_t n, void* out, int divisor) {
-  // Sources beyond one launch fold into dst first; the last launch writes `out`.
+  // Sources beyond one launch fold into dst first; the last launch divides and writes `out`.
   size_t done = 0;
   do {
     Sources batch{};
@@ -106,7 +98,7 @@ void launch_reduce(cudaStream_t stream, ReleaseWords released, void* dst, const 
     const bool last = done + count == nsrc;
     reduce_kernel<T, Op><<<blocks_for(n), kThreads, 0, stream>>>(
         released, static_cast<T*>(dst), static_cast<const T*>(done ? dst : first), batch, static_cast<int>(count), n,
-        last ? static_cast<T*>(out) : nullptr, divisor);
+        last ? static_cast<T*>(out) : nullptr, last ? divisor : 1);
     done += count;
   } while (done < nsrc);
   check(cudaGetLastError(), "reduce kernel launch");
@@ -122,13 +114,6 @@ void reduce_typed(cudaStream_t stream, ReleaseWords released, ReduceOp op, void*
     case ReduceOp::Min: return launch_reduce<T, Min>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
     case ReduceOp::Max: return launch_reduce<T, Max>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
   }
-}
-
-template <class T>
-void scale_typed(cudaStream_t stream, ReleaseWords released, void* dst, const void* src, size_t n, int divisor) {
-  scale_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(released, static_cast<T*>(dst), static_cast<const T*>(src), n,
-                                                          divisor);
-  check(cudaGetLastError(), "scale kernel launch");
 }
 
 }  // namespace
@@ -177,19 +162,6 @@ void reduce_async(cudaStream_t stream, ReleaseWords released, DType dtype, Reduc
       return reduce_typed<uint8_t>(stream, released, any ? ReduceOp::Max : ReduceOp::Min, dst, first, srcs, nsrc, n,
                                    out, divisor);
     }
-  }
-}
-
-void scale_copy_async(cudaStream_t stream, ReleaseWords released, DType dtype, void* dst, const void* src, size_t n,
-                      int divisor) {
-  if (n == 0) return;
-  if (divisor == 1) return copy_async(stream, released, dst, src, n * element_size(dtype));
-  switch (dtype) {
-    case DType::F32: return scale_typed<float>(stream, released, dst, src, n, divisor);
-    case DType::F64: return scale_typed<double>(stream, released, dst, src, n, divisor);
-    case DType::F16: return scale_typed<__half>(stream, released, dst, src, n, divisor);
-    case DType::BF16: return scale_typed<__nv_bfloat16>(stream, released, dst, src, n, divisor);
-    default: throw std::invalid_argument(std::string("AVG is not supported for ") + dtype_name(dtype));
   }
 }
 

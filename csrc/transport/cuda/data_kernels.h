@@ -26,7 +26,5 @@ struct ReleaseWords {
 void copy_async(cudaStream_t stream, ReleaseWords released, void* dst, const void* src, size_t bytes);
 void reduce_async(cudaStream_t stream, ReleaseWords released, DType dtype, ReduceOp op, void* dst, const void* first,
                   const void* const* srcs, size_t nsrc, size_t n, void* out, int divisor);
-void scale_copy_async(cudaStream_t stream, ReleaseWords released, DType dtype, void* dst, const void* src, size_t n,
-                      int divisor);
 
 }  // namespace hca::cuda

@@ -111,14 +111,13 @@ void reduce_typed(const Operands& o) {
       const T* src = static_cast<const T*>(o.srcs[s]) + base;
       for (size_t i = 0; i < len; ++i) acc[i] = Op::apply(acc[i], Tr::load(src[i]));
     }
+    // An AVG divides before its one rounding, so that it rounds as the SUM does.
+    if (o.divisor != 1) {
+      for (size_t i = 0; i < len; ++i) acc[i] /= divisor;
+    }
     for (size_t i = 0; i < len; ++i) dst[base + i] = Tr::store(acc[i]);
     if (!out) continue;
-    if (o.divisor == 1) {
-      for (size_t i = 0; i < len; ++i) out[base + i] = Tr::store(acc[i]);
-    } else {
-      // Divide the stored (rounded) sum, as the ranks that copy it do: same bits everywhere.
-      for (size_t i = 0; i < len; ++i) out[base + i] = Tr::store(Tr::load(dst[base + i]) / divisor);
-    }
+    for (size_t i = 0; i < len; ++i) out[base + i] = Tr::store(acc[i]);
   }
 }
 
@@ -130,16 +129,6 @@ void reduce_op(ReduceOp op, const Operands& o) {
     case ReduceOp::Min: return reduce_typed<T, Min>(o);
     case ReduceOp::Max: return reduce_typed<T, Max>(o);
   }
-}
-
-template <class T>
-void scale_typed(void* dst, const void* src, size_t n, int divisor) {
-  using Tr = Traits<T>;
-  using Acc = typename Tr::Acc;
-  auto d = static_cast<T*>(dst);
-  auto s = static_cast<const T*>(src);
-  const Acc div = static_cast<Acc>(divisor);
-  for (size_t i = 0; i < n; ++i) d[i] = Tr::store(Tr::load(s[i]) / div);
 }
 
 }  // namespace
@@ -160,20 +149,6 @@ void reduce_into(DType dtype, ReduceOp op, void* dst, const void* first, const v
       const bool any = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Max;
       return reduce_op<uint8_t>(any ? ReduceOp::Max : ReduceOp::Min, o);
     }
-  }
-}
-
-void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) {
-  if (divisor == 1) {
-    if (dst != src) std::memcpy(dst, src, n * element_size(dtype));
-    return;
-  }
-  switch (dtype) {
-    case DType::F32: return scale_typed<float>(dst, src, n, divisor);
-    case DType::F64: return scale_typed<double>(dst, src, n, divisor);
-    case DType::F16: return scale_typed<Half>(dst, src, n, divisor);
-    case DType::BF16: return scale_typed<BFloat16>(dst, src, n, divisor);
-    default: throw std::invalid_argument(std::string("AVG is not supported for ") + dtype_name(dtype));
   }
 }
 

@@ -21,10 +21,6 @@ void HostMedium::reduce(DType dtype, ReduceOp op, void* dst, const void* first, 
   reduce_into(dtype, op, dst, first, srcs, nsrc, n, out, divisor);
 }
 
-void HostMedium::scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) {
-  shm::scale_copy(dtype, dst, src, n, divisor);
-}
-
 void HostMedium::wait(int peer, uint32_t at_least, const WaitContext& ctx) {
   control_.wait_progress(peer, ProgressWord::Host, at_least, ctx);
 }

@@ -29,7 +29,6 @@ class HostMedium final : public Medium {
   void copy(void* dst, const void* src, size_t bytes) override;
   void reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t n,
               void* out, int divisor) override;
-  void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) override;
   void wait(int peer, uint32_t at_least, const WaitContext& ctx) override;
   void signal(uint32_t value) override;
 

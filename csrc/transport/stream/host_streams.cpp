@@ -176,14 +176,11 @@ class HostStreams final : public StreamDevice {
     const bool corrupt = ++reduces_ == corrupt_at_;
     issue_data(stream, std::move(touched), [=, sources = std::vector<const void*>(srcs, srcs + nsrc)] {
       shm::reduce_into(dtype, op, dst, first, sources.data(), nsrc, n, out, divisor);
-      if (corrupt && n > 0) {  // what this rank and its peers read next: the sum and its scaled copy
+      if (corrupt && n > 0) {  // what this rank and its peers read next: the result in the slot and in the output
         static_cast<unsigned char*>(dst)[element_size(dtype) - 1] ^= 0x40;
         if (out != nullptr) static_cast<unsigned char*>(out)[element_size(dtype) - 1] ^= 0x40;
       }
     });
-  }
-  void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    issue_data(stream, {dst, src}, [=] { shm::scale_copy(dtype, dst, src, n, divisor); });
   }
   // As a GPU's front end waits: no deadline (the executor's watchdog releases it).
   void wait_progress(Stream stream, int rank, uint32_t value) override {

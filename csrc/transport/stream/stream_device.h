@@ -33,8 +33,8 @@ class StreamDevice {
   virtual RingLayout ring() const = 0;
 
   // Issued on `stream` (a stream of the device, which is current); each runs
-  // after everything issued on it before. The data operations (copy, reduce,
-  // scale_copy) do nothing if any rank of the group has published a failure
+  // after everything issued on it before. The data operations (copy, reduce)
+  // do nothing if any rank of the group has published a failure
   // (ControlBlock::failure_word) when they run: a failing rank releases every
   // rank's waits, and a peer's staging (mapped from its process) may be gone
   // with it.
@@ -42,7 +42,6 @@ class StreamDevice {
   // As Medium::reduce (`srcs` is read at issue time).
   virtual void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
                       size_t nsrc, size_t n, void* out, int divisor) = 0;
-  virtual void scale_copy(Stream stream, DType dtype, void* dst, const void* src, size_t n, int divisor) = 0;
   // Until `rank`'s stream progress word w satisfies (int32_t)(w - value) >= 0.
   virtual void wait_progress(Stream stream, int rank, uint32_t value) = 0;
   // This rank's stream progress word becomes `value`, made visible to peers.

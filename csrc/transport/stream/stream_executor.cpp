@@ -36,9 +36,6 @@ class StreamMedium final : public Medium {
               void* out, int divisor) override {
     device_.reduce(stream_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
-  void scale_copy(DType dtype, void* dst, const void* src, size_t n, int divisor) override {
-    device_.scale_copy(stream_, dtype, dst, src, n, divisor);
-  }
   void wait(int peer, uint32_t at_least, const WaitContext&) override {
     device_.wait_progress(stream_, peer, at_least);
     awaited_[peer] = at_least;
