@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <stdexcept>
 
 #include "check.h"
 #include "data_kernels.h"
