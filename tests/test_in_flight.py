@@ -1,6 +1,9 @@
 """Several collectives in flight at once (DDP's buckets, FSDP2's prefetch, async calls waited
 late or never): on the CPU model of the device ("cpu-streams": every stream a thread of its own,
 freed buffers poisoned) these are the CUDA path's check; on "cpu" the shared-memory executor's."""
+import threading
+import traceback
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -69,6 +72,38 @@ def _mixed_in_flight(rank, world, device):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_mixed_collectives_in_flight_waited_late_or_never(world, device):
     assert run_ranks(_mixed_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _groups_driven_by_threads(rank, world, device):
+    """Background work (DCP's async save, a metrics thread) drives a group of its own from a thread
+    beside the training's: four groups (one per algorithm), each driven by a thread of its own at
+    once, every call async and checked."""
+    dev = rank_device(device, rank)
+    groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
+                                   (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
+                                    torch_hca.Options("direct"))]
+    errors = [[] for _ in groups]
+
+    def drive(k):
+        try:
+            for i in range(4):
+                for work, name, t, want in _issue_mixed(rank, world, dev, groups[k], 1000 * k + 30 * i):
+                    work.wait()
+                    errors[k].append(mismatch(f"group {k} round {i}: {name}", t, want, world))
+        except Exception:  # noqa: BLE001  a thread's failure goes back to the test
+            errors[k].append(f"group {k}: {traceback.format_exc()}")
+
+    threads = [threading.Thread(target=drive, args=(k,)) for k in range(len(groups))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [e for group_errors in errors for e in group_errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_groups_driven_by_threads_of_their_own_at_once(world, device):
+    assert run_ranks(_groups_driven_by_threads, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
 def _temporaries_in_flight(rank, world, device):
