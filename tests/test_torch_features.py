@@ -1,10 +1,11 @@
 """What training scripts use on top of the collectives, on hca and on gloo: the same results.
 
 DDP's options (unused parameters, a static graph), uneven inputs under `Join`, ZeRO, tensor
-parallelism, periodic model averaging, distributed checkpoints of FSDP2 shards, DDP under
-`torch.compile`, and the collectives that autograd differentiates. Each runs in one launch per
-backend; every rank's results are compared with gloo's, and each case checks that it moved the
-parameters, so that a case which communicated nothing would fail.
+parallelism, periodic model averaging, distributed checkpoints of FSDP2 shards, DCP's async save
+through a group of its own while DDP trains, DDP under `torch.compile`, and the collectives that
+autograd differentiates. Each runs in one launch per backend; every rank's results are compared
+with gloo's, and each case checks that it moved the parameters, so that a case which communicated
+nothing would fail.
 """
 import os
 
@@ -133,6 +134,38 @@ def _checkpoint(rank, world, folder):
     return _arrays(full)
 
 
+def _async_checkpoint(rank, world, folder):
+    """DDP trains on the default group while DCP's async_save writes snapshots through a group of
+    its own from a background thread (one save in flight at a time, as torchtitan waits); each
+    snapshot loads back as it was taken."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    model = _mlp()
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    checkpoint_group = dist.new_group()
+    g = torch.Generator().manual_seed(100 + rank)
+    snapshots, pending = [], None
+    for step in range(6):
+        optimizer.zero_grad()
+        ddp(*_batch(g, step)).sum().backward()
+        optimizer.step()
+        if step % 2 == 0:
+            if pending is not None:
+                pending.result()
+            snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+            pending = dcp.async_save({"model": snapshots[-1]}, checkpoint_id=os.path.join(folder, str(step)),
+                                     process_group=checkpoint_group)
+    pending.result()
+    for step, snapshot in zip((0, 2, 4), snapshots):
+        state = {"model": {k: torch.zeros_like(v) for k, v in snapshot.items()}}
+        dcp.load(state, checkpoint_id=os.path.join(folder, str(step)))
+        if not all(torch.equal(state["model"][k], v) for k, v in snapshot.items()):
+            raise AssertionError(f"the snapshot of step {step} loaded back differs")
+    return _arrays(model.parameters())
+
+
 def _compiled_ddp(rank, world):
     model = _mlp()
     ddp = DDP(model)
@@ -159,6 +192,7 @@ CASES = {"unused_parameters": _unused_parameters, "static_graph": _static_graph,
 def _every_case(rank, world, folder):
     results = {name: case(rank, world) for name, case in CASES.items()}
     results["checkpoint"] = _checkpoint(rank, world, os.path.join(folder, "checkpoint"))
+    results["async_checkpoint"] = _async_checkpoint(rank, world, os.path.join(folder, "async_checkpoint"))
     return results
 
 
