@@ -1,0 +1,170 @@
+"""Seeded random sequences of collectives, every result against its float64 reference.
+
+The matrix tests check one collective, option and dtype at a time. Here the calls of a sequence
+interleave on three groups at once, each with random options (algorithm, packing, small-tensor
+aggregation, the reducing rank, the hierarchy's groups), in random dtypes, ops, sizes and layouts
+(views at an offset, strided views), and half of them async: waited at once, later in a shuffled
+order, or left pending while later calls run. Every rank draws the same sequence from the seed.
+"""
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_hca
+from harness import SMALL_CHUNKS, run_ranks
+from reference import (DTYPES, OPS, all_gather_single, make_input, mismatch, rank_device,
+                       reduce_reference, reduce_scatter_single, supported)
+
+SIZES = [1, 3, 17, 1000, 16385, 70_001, 200_003]
+CALLS = 40
+
+
+def _random_options(rnd, world):
+    algorithm = rnd.choice([None, "hierarchical_copy", "reduce_to_one_device", "direct"])
+    options = {"algorithm": algorithm}
+    if algorithm in (None, "hierarchical_copy"):
+        if rnd.random() < 0.6:
+            options["num_packs"] = rnd.choice([0, 1, 2, 3, 7])
+            if options["num_packs"] == 0 and rnd.random() < 0.5:
+                options["agg_small_grads_max_bytes"] = rnd.choice([64, 4096, 100_000])
+                options["agg_small_grads_max_group"] = rnd.choice([1, 2, 5])
+        if world > 1 and rnd.random() < 0.3:
+            ranks = rnd.sample(range(world), world)
+            cut = rnd.randrange(1, world)
+            options["groups"] = [sorted(ranks[:cut]), sorted(ranks[cut:])]
+    if algorithm == "reduce_to_one_device" and rnd.random() < 0.5:
+        options["reduce_to_device"] = rnd.randrange(world)
+    return options
+
+
+def _laid_out(rnd, t):
+    """`t`'s values in a tensor of a random layout: its own, a view at an offset, a strided view."""
+    layout = rnd.choice(["own", "offset", "strided"])
+    if layout == "own":
+        return t.clone(), layout
+    base = torch.zeros(2 * t.numel() + 10, dtype=t.dtype, device=t.device)
+    view = base[5:5 + t.numel()] if layout == "offset" else base[::2][:t.numel()]
+    view.copy_(t)
+    return view, layout
+
+
+def _all_reduce(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
+    t, layout = _laid_out(rnd, inputs[rank].to(dev))
+    work = dist.all_reduce(t, op=OPS[op], group=group, async_op=async_op)
+    return [(work, layout, t, reduce_reference(inputs, op), world)]
+
+
+def _coalesced(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    """Several tensors in one call: one dtype through all_reduce_coalesced, or mixed dtypes
+    through the coalescing manager (as DDP and FSDP batch theirs)."""
+    count = rnd.randint(1, 5)
+    mixed = rnd.random() < 0.5
+    dtypes = [rnd.choice([d for d in DTYPES if supported(d, op)]) if mixed else dtype for _ in range(count)]
+    sizes = [rnd.choice([1, 5, 300, 20_000]) for _ in range(count)]
+    inputs = [[make_input(case * 10 + j, r, sizes[j], dtypes[j], op) for r in range(world)] for j in range(count)]
+    tensors = [per_rank[rank].to(dev, copy=True) for per_rank in inputs]
+    if mixed:
+        with dist._coalescing_manager(group=group, async_ops=True) as manager:
+            for t in tensors:
+                dist.all_reduce(t, op=OPS[op], group=group)
+        work = manager
+    else:
+        work = dist.all_reduce_coalesced(tensors, op=OPS[op], group=group, async_op=True)
+    return [(work if j == 0 else None, f"tensor {j} of {count} {dtypes[j]}", t, reduce_reference(per_rank, op), world)
+            for j, (t, per_rank) in enumerate(zip(tensors, inputs))]
+
+
+def _broadcast(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    src = rnd.randrange(world)
+    inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+    t, layout = _laid_out(rnd, inputs[rank].to(dev))
+    work = dist.broadcast(t, src=dist.get_global_rank(group, src), group=group, async_op=async_op)
+    return [(work, f"src={src} {layout}", t, inputs[src], 1)]
+
+
+def _reduce(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    dst = rnd.randrange(world)
+    inputs = [make_input(case, r, numel, dtype, op) for r in range(world)]
+    t = inputs[rank].to(dev, copy=True)
+    work = dist.reduce(t, dst=dist.get_global_rank(group, dst), op=OPS[op], group=group, async_op=async_op)
+    if rank == dst:
+        return [(work, f"dst={dst}", t, reduce_reference(inputs, op), world)]
+    return [(work, f"dst={dst}, kept by a non-root", t, inputs[rank], 1)]
+
+
+def _all_gather(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    n = max(1, numel // world)
+    inputs = [make_input(case, r, n, dtype, "SUM") for r in range(world)]
+    out = torch.empty(n * world, dtype=dtype, device=dev)
+    work = all_gather_single(out, inputs[rank].to(dev), group=group, async_op=async_op)
+    return [(work, "", out, torch.cat(inputs), 1)]
+
+
+def _reduce_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    op = "MAX" if dtype == torch.bool else op
+    n = max(1, numel // world)
+    inputs = [make_input(case, r, n * world, dtype, op) for r in range(world)]
+    out = torch.empty(n, dtype=dtype, device=dev)
+    work = reduce_scatter_single(out, inputs[rank].to(dev), op=OPS[op], group=group, async_op=async_op)
+    return [(work, f"op={op}", out, reduce_reference(inputs, op)[rank * n:(rank + 1) * n], world)]
+
+
+def _all_to_all(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    sends = [[rnd.randint(0, 40) for _ in range(world)] for _ in range(world)]  # sends[i][j]: i to j
+    inputs = [make_input(case, r, sum(sends[r]), dtype, "SUM") for r in range(world)]
+    received = [sends[r][rank] for r in range(world)]
+    out = torch.empty(sum(received), dtype=dtype, device=dev)
+    work = dist.all_to_all_single(out, inputs[rank].to(dev), output_split_sizes=received,
+                                  input_split_sizes=sends[rank], group=group, async_op=async_op)
+    want = torch.cat([inputs[r][sum(sends[r][:rank]):sum(sends[r][:rank + 1])] for r in range(world)])
+    return [(work, "", out, want, 1)]
+
+
+KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all]
+
+
+def _sequence(rank, world, device, seed):
+    rnd = random.Random(seed)  # every rank draws the same sequence
+    dev = rank_device(device, rank)
+    groups = []
+    for _ in range(3):
+        options = _random_options(rnd, world)
+        groups.append((dist.new_group(backend="hca", pg_options=torch_hca.Options(**options)), options))
+    errors, pending = [], []
+
+    def check(checks):
+        for work, what, got, want, tolerance_world in checks:
+            if work is not None:
+                work.wait()
+            errors.append(mismatch(what, got, want, tolerance_world))
+
+    for i in range(CALLS):
+        group, options = rnd.choice(groups)
+        kind = rnd.choice(KINDS)
+        dtype = rnd.choice(DTYPES)
+        op = rnd.choice([o for o in OPS if supported(dtype, o)])
+        numel, async_op = rnd.choice(SIZES), rnd.random() < 0.5
+        name = f"call {i}: {kind.__name__[1:]} {options} {dtype} {op} numel={numel}"
+        checks = kind(rnd, rank, world, dev, group, seed * 1000 + i, dtype, op, numel, async_op)
+        checks = [(work, f"{name} {what}", got, want, w) for work, what, got, want, w in checks]
+        if async_op and rnd.random() < 0.7:
+            pending.append(checks)
+            if len(pending) > 4 or rnd.random() < 0.3:
+                rnd.shuffle(pending)  # calls in a random order; a call's own checks after its Work's wait
+                for call in pending:
+                    check(call)
+                pending = []
+        else:
+            check(checks)
+    for call in pending:
+        check(call)
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sequences_match_references(seed, device):
+    world = seed + 1
+    assert run_ranks(_sequence, world, device, seed, env=SMALL_CHUNKS) == [[]] * world
