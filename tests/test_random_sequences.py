@@ -1,7 +1,8 @@
 """Seeded random sequences of collectives, every result against its float64 reference.
 
 The matrix tests check one collective, option and dtype at a time. Here the calls of a sequence
-interleave on three groups at once, each with random options (algorithm, packing, small-tensor
+(every collective, PREMUL_SUM, the list forms, gather, scatter, point-to-point rings) interleave
+on three groups at once, each with random options (algorithm, packing, small-tensor
 aggregation, the reducing rank, the hierarchy's groups), in random dtypes, ops, sizes and layouts
 (views at an offset, strided views), and half of them async: waited at once, later in a shuffled
 order, or left pending while later calls run. Every rank draws the same sequence from the seed.
@@ -123,7 +124,77 @@ def _all_to_all(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
     return [(work, "", out, want, 1)]
 
 
-KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all]
+def _premul_sum(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    """FSDP2's gradient divide with NCCL: each input times a factor, then summed (floating dtypes)."""
+    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    factor = rnd.choice([0.5, 0.25, 1.0 / world])
+    inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+    t = inputs[rank].to(dev, copy=True)
+    work = dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor), group=group, async_op=async_op)
+    return [(work, f"factor={factor} {dtype}", t, reduce_reference([x * factor for x in inputs], "SUM"), world)]
+
+
+def _list_forms(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    """all_gather into a list of tensors, or reduce_scatter from one."""
+    n = max(1, numel // world)
+    if rnd.random() < 0.5:
+        inputs = [make_input(case, r, n, dtype, "SUM") for r in range(world)]
+        outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+        work = dist.all_gather(outs, inputs[rank].to(dev), group=group, async_op=async_op)
+        return [(work if r == 0 else None, f"all_gather list [{r}]", out, inputs[r], 1) for r, out in enumerate(outs)]
+    op = "MAX" if dtype == torch.bool else op
+    inputs = [[make_input(case * 10 + j, r, n, dtype, op) for j in range(world)] for r in range(world)]
+    out = torch.empty(n, dtype=dtype, device=dev)
+    work = dist.reduce_scatter(out, [t.to(dev) for t in inputs[rank]], op=OPS[op], group=group, async_op=async_op)
+    return [(work, f"reduce_scatter list op={op}", out, reduce_reference([inputs[r][rank] for r in range(world)], op),
+             world)]
+
+
+def _gather_or_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    root = rnd.randrange(world)
+    global_root = dist.get_global_rank(group, root)
+    if rnd.random() < 0.5:
+        inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+        outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
+        work = dist.gather(inputs[rank].to(dev), outs, dst=global_root, group=group, async_op=async_op)
+        if rank != root:
+            return [(work, f"gather to {root}, a sender", torch.zeros(1), torch.zeros(1), 1)]
+        return [(work if r == 0 else None, f"gather to {root} [{r}]", out, inputs[r], 1) for r, out in enumerate(outs)]
+    pieces = [make_input(case * 10 + j, root, numel, dtype, "SUM") for j in range(world)]
+    out = torch.empty(numel, dtype=dtype, device=dev)
+    work = dist.scatter(out, [p.to(dev) for p in pieces] if rank == root else None, src=global_root, group=group,
+                        async_op=async_op)
+    return [(work, f"scatter from {root}", out, pieces[rank], 1)]
+
+
+def _ring(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    """Every rank sends to the next by isend/irecv, in one batch or as two calls."""
+    shift = rnd.randrange(1, world)
+    to, frm = (rank + shift) % world, (rank - shift) % world
+    inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
+    out = torch.empty(numel, dtype=dtype, device=dev)
+    peer_to, peer_from = dist.get_global_rank(group, to), dist.get_global_rank(group, frm)
+    if rnd.random() < 0.5:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, inputs[rank].to(dev), peer_to, group),
+                                        dist.P2POp(dist.irecv, out, peer_from, group)])
+    else:
+        works = [dist.isend(inputs[rank].to(dev), peer_to, group=group), dist.irecv(out, peer_from, group=group)]
+    return [(_All(works), f"from {frm}, shift {shift}", out, inputs[frm], 1)]
+
+
+class _All:
+    """Waits for every Work of a call that returns several."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all,
+         _premul_sum, _list_forms, _gather_or_scatter, _ring]
 
 
 def _sequence(rank, world, device, seed):
@@ -143,7 +214,7 @@ def _sequence(rank, world, device, seed):
 
     for i in range(CALLS):
         group, options = rnd.choice(groups)
-        kind = rnd.choice(KINDS)
+        kind = rnd.choice(KINDS if world > 1 else [k for k in KINDS if k is not _ring])  # no sends to oneself
         dtype = rnd.choice(DTYPES)
         op = rnd.choice([o for o in OPS if supported(dtype, o)])
         numel, async_op = rnd.choice(SIZES), rnd.random() < 0.5
