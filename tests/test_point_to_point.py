@@ -1,8 +1,9 @@
 """send, recv (from a rank or any rank), isend/irecv and batch_isend_irecv: many messages in
-flight, tags received in any order, messages larger than a channel's ring (64 KiB), every dtype,
-against the data each sender made; errors for misfit messages, dead and silent peers. The tests
-taking `device` run on CPU tensors, on the CPU model of the device ("cpu-streams": messages of
-device tensors, staged through the host in stream order) and on CUDA where there is a GPU."""
+flight, messages to oneself, tags received in any order, messages larger than a channel's ring
+(64 KiB), every dtype, against the data each sender made; errors for misfit messages, dead and
+silent peers. The tests taking `device` run on CPU tensors, on the CPU model of the device
+("cpu-streams": messages of device tensors, staged through the host in stream order) and on CUDA
+where there is a GPU."""
 import os
 import signal
 import time
@@ -141,6 +142,37 @@ def test_batch_isend_irecv_pipeline_step(world, device):
                 f"rank {rank + 1} sent 10 x float32 with tag 0, but this recv expects 20 x float32" in misfit), misfit
         elif rank % 2 == 1:
             assert misfit == "UNEXPECTED: no exception", misfit
+
+
+def _all_to_all_with_own_block(rank, world, device):
+    """An all-to-all as batch_isend_irecv writes it, this rank's own block among its messages
+    (NCCL takes messages to oneself; gloo does not): up to a block larger than what a process
+    keeps of early messages (32 MiB), which waits in the ring for its receive."""
+    dev, errors = rank_device(device, rank), []
+    for numel in (0, 1000, BIG, 9_000_001):
+        outs = [torch.full((numel,), float("nan"), device=dev) for _ in range(world)]
+        ops = [dist.P2POp(dist.isend, _data(rank, peer, 0, numel, dev=dev), peer) for peer in range(world)]
+        ops += [dist.P2POp(dist.irecv, outs[peer], peer) for peer in range(world)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        errors += [_wrong(f"numel={numel} from {peer}", out, _data(peer, rank, 0, numel)) for peer, out in enumerate(outs)]
+    # Outside a batch, the receive posted first or second.
+    mine = _data(rank, rank, 1, 77, dev=dev)
+    first, second = torch.empty(77, device=dev), torch.empty(77, device=dev)
+    sent = dist.isend(mine, rank, tag=1)
+    dist.irecv(first, rank, tag=1).wait()
+    received = dist.irecv(second, rank, tag=2)
+    dist.isend(mine, rank, tag=2).wait()
+    received.wait()
+    sent.wait()
+    errors += [_wrong("isend, then irecv", first, mine), _wrong("irecv, then isend", second, mine)]
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_messages_to_oneself_as_in_an_all_to_all(world, device):
+    for errors in run_ranks(_all_to_all_with_own_block, world, device):
+        assert errors == []
 
 
 def _any_source(rank, world, device):

@@ -168,8 +168,9 @@ def _gather_or_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, asy
 
 
 def _ring(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
-    """Every rank sends to the next by isend/irecv, in one batch or as two calls."""
-    shift = rnd.randrange(1, world)
+    """Every rank sends to the one `shift` ranks on (itself where 0) by isend/irecv, in one batch or
+    as two calls."""
+    shift = rnd.randrange(world)
     to, frm = (rank + shift) % world, (rank - shift) % world
     inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
     out = torch.empty(numel, dtype=dtype, device=dev)
@@ -214,7 +215,7 @@ def _sequence(rank, world, device, seed):
 
     for i in range(CALLS):
         group, options = rnd.choice(groups)
-        kind = rnd.choice(KINDS if world > 1 else [k for k in KINDS if k is not _ring])  # no sends to oneself
+        kind = rnd.choice(KINDS)
         dtype = rnd.choice(DTYPES)
         op = rnd.choice([o for o in OPS if supported(dtype, o)])
         numel, async_op = rnd.choice(SIZES), rnd.random() < 0.5

@@ -54,7 +54,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
   if (type != c10d::OpType::RECVANYSOURCE) {
     const char* role = type == c10d::OpType::SEND ? "dst" : "src";
     check_rank(peer, getSize(), role, op);
-    TORCH_CHECK_VALUE(peer != getRank(), "hca ", op, ": ", role, " ", peer, " is this rank itself");
   }
   CallArgs args(op, tensors);
   CallStreams* streams = message_streams(args.device());

@@ -104,8 +104,8 @@ std::string ControlBlock::why_memory_gone(int peer) const {
 }
 
 bool ControlBlock::alive(int peer) const {
-  // Not attached yet: only the deadline applies.
-  return slot(peer).pid == 0 || segment_->byte_locked_elsewhere(peer);
+  // This rank (waits for its own messages) lives; a peer not attached yet: only the deadline applies.
+  return peer == rank_ || slot(peer).pid == 0 || segment_->byte_locked_elsewhere(peer);
 }
 
 namespace {

@@ -173,7 +173,7 @@ class ControlBlock {
 
  private:
   RankSlot& slot(int rank) const;
-  // Whether `peer` lives: it holds its lock, or has not attached yet.
+  // Whether `peer` lives: it is this rank, holds its lock, or has not attached yet.
   bool alive(int peer) const;
   // Throws that `peer` left (shut its group down) or died.
   [[noreturn]] void throw_gone(int peer, const WaitContext& ctx) const;

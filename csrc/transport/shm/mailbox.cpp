@@ -485,8 +485,7 @@ bool Mailbox::step(Clock::time_point now) {
   if (broken_) return accepted;
   bool moved = false;
   try {
-    for (int peer = 0; peer < world_; ++peer) {
-      if (peer == rank_) continue;
+    for (int peer = 0; peer < world_; ++peer) {  // this rank too: its channel to itself
       moved = pump_send(peer) || moved;
       moved = pump_recv(peer) || moved;
     }

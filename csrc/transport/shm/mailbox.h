@@ -1,6 +1,8 @@
 // Point-to-point messages between the ranks of one node over shared memory.
 // Every ordered pair of ranks has a channel: a byte ring written by the sender
 // and drained by the receiver, each side publishing a running byte count. A
+// rank's channel to itself carries its messages to itself (NCCL takes those,
+// e.g. an all-to-all's own block in a batch_isend_irecv). A
 // message is a frame (tag, dtype, size) followed by its bytes, streamed through
 // the ring, so a message may be larger than the ring.
 //
