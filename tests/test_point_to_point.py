@@ -175,6 +175,24 @@ def test_messages_to_oneself_as_in_an_all_to_all(world, device):
         assert errors == []
 
 
+def _receive_from_oneself_unsent(rank, world, device):
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(10, device=rank_device(device, rank)), rank, tag=3)
+        return "UNEXPECTED: no exception", 0.0
+    except Exception as e:
+        return str(e), time.monotonic() - start
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_receive_from_oneself_with_no_send_says_so(world, device):
+    """Only this rank could send it, so the timeout names the missing send, not a peer that never came."""
+    for rank, (msg, elapsed) in enumerate(run_ranks(_receive_from_oneself_unsent, world, device, pg_timeout_s=2)):
+        assert f"hca recv from rank {rank} (tag 3" in msg and "Timed out after 2000 ms" in msg, msg
+        assert "a message from this rank to itself" in msg and f"a send to rank {rank} with the same tag" in msg, msg
+        assert 1.5 < elapsed < 2 + 5
+
+
 def _any_source(rank, world, device):
     dev = rank_device(device, rank)
     if rank != 0:

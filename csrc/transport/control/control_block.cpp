@@ -184,6 +184,7 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
 }
 
 void ControlBlock::throw_timeout_behind(int peer, const WaitContext& ctx) const {
+  if (peer == rank_) throw_timeout_on_oneself(ctx);
   // Follow who waits for whom from `peer` (the words are peers': checked) until
   // a rank that waits for nobody, for this rank, or for one already seen.
   std::vector<bool> seen(static_cast<size_t>(world_), false);
@@ -205,6 +206,14 @@ void ControlBlock::throw_timeout_behind(int peer, const WaitContext& ctx) const 
                 "Timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
                     std::to_string(blamed) + " (this rank waits for rank " + std::to_string(peer) +
                     ", which waits for it; it never arrived, is stuck, or called a different collective)");
+}
+
+void ControlBlock::throw_timeout_on_oneself(const WaitContext& ctx) const {
+  // Only a message to oneself waits for this very rank: no other rank can be blamed.
+  throw Failure(FailureKind::Timeout, ctx.operation, rank_,
+                "Timed out after " + std::to_string(ctx.timeout.count()) +
+                    " ms waiting for a message from this rank to itself: its receive needs a send to rank " +
+                    std::to_string(rank_) + " with the same tag from this rank (e.g. in the same batch_isend_irecv)");
 }
 
 int ControlBlock::first_not_running(const std::vector<int>& chain) const {
@@ -236,7 +245,10 @@ void ControlBlock::check_peer_failed(int peer, const WaitContext& ctx) const {
 void ControlBlock::check_peer(int peer, const WaitContext& ctx) const {
   check_peer_failed(peer, ctx);
   if (!alive(peer)) throw_gone(peer, ctx);
-  if (Clock::now() > ctx.deadline) throw_timeout(ctx, peer);
+  if (Clock::now() > ctx.deadline) {
+    if (peer == rank_) throw_timeout_on_oneself(ctx);
+    throw_timeout(ctx, peer);
+  }
 }
 
 uint64_t ControlBlock::started_by(int peer) const { return slot(peer).started.load(std::memory_order_acquire); }

@@ -180,6 +180,8 @@ class ControlBlock {
   // Throws the timeout of a wait on `peer`, blaming the end of the chain of
   // ranks waiting on one another that starts at `peer`.
   [[noreturn]] void throw_timeout_behind(int peer, const WaitContext& ctx) const;
+  // Throws the timeout of a wait for a message to oneself, which no other rank can end.
+  [[noreturn]] void throw_timeout_on_oneself(const WaitContext& ctx) const;
   // The first rank of `chain` that shows no sign of running over a short look
   // (its wait count stands still and it has not failed), or -1.
   int first_not_running(const std::vector<int>& chain) const;
