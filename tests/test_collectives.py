@@ -108,10 +108,9 @@ def _rooted(rank, world, device):
                     t = inputs[rank].clone()
                     dist.broadcast(t, src=root, group=group)
                     errors.append(mismatch(f"broadcast {algorithm} {dtype} {numel} src={root}", t, inputs[root], world))
-                    op = "MAX" if dtype == torch.bool else "SUM"
                     t = inputs[rank].clone()
-                    dist.reduce(t, dst=root, op=OPS[op], group=group)
-                    want = reduce_reference(inputs, op) if rank == root else inputs[rank]
+                    dist.reduce(t, dst=root, op=OPS["SUM"], group=group)
+                    want = reduce_reference(inputs, "SUM") if rank == root else inputs[rank]
                     errors.append(mismatch(f"reduce {algorithm} {dtype} {numel} dst={root}", t, want, world))
                 outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)]
                 dist.all_gather(outs, inputs[rank], group=group)

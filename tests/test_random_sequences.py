@@ -105,7 +105,6 @@ def _all_gather(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
 
 
 def _reduce_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
-    op = "MAX" if dtype == torch.bool else op
     n = max(1, numel // world)
     inputs = [make_input(case, r, n * world, dtype, op) for r in range(world)]
     out = torch.empty(n, dtype=dtype, device=dev)
@@ -142,7 +141,6 @@ def _list_forms(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
         outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
         work = dist.all_gather(outs, inputs[rank].to(dev), group=group, async_op=async_op)
         return [(work if r == 0 else None, f"all_gather list [{r}]", out, inputs[r], 1) for r, out in enumerate(outs)]
-    op = "MAX" if dtype == torch.bool else op
     inputs = [[make_input(case * 10 + j, r, n, dtype, op) for j in range(world)] for r in range(world)]
     out = torch.empty(n, dtype=dtype, device=dev)
     work = dist.reduce_scatter(out, [t.to(dev) for t in inputs[rank]], op=OPS[op], group=group, async_op=async_op)
