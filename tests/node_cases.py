@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from reference import (DTYPES, FLOATS, OPS, all_gather_single, make_input,
+from reference import (DTYPES, MOVED_ONLY, OPS, all_gather_single, make_bytes, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 
@@ -64,9 +64,9 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     group = _group(algorithm, inter_node_backend, num_packs=2)
     errors, case = [], 1000
     for root in range(world):
-        for dtype in (torch.float32, torch.int32, torch.bool):
+        for dtype in (torch.float32, torch.int32, torch.bool, torch.float8_e4m3fn):
             case += 1
-            inputs = [make_input(case, r, 1001, dtype, "SUM") for r in range(world)]
+            inputs = [_moved(case, r, 1001, dtype) for r in range(world)]
             t = inputs[rank].to(dev, copy=True)
             dist.broadcast(t, src=root, group=group)
             errors.append(mismatch(f"broadcast src={root} {dtype}", t, inputs[root], world))
@@ -77,9 +77,9 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
             dist.reduce(t, dst=root, op=OPS[op], group=group)
             want = reduce_reference(inputs, op) if rank == root else inputs[rank]
             errors.append(mismatch(f"reduce dst={root} {op} (rank {rank})", t, want, world))
-    for dtype in (torch.float32, torch.float16, torch.int8):
+    for dtype in (torch.float32, torch.float16, torch.int8, torch.float8_e5m2):
         case += 1
-        inputs = [make_input(case, r, 517, dtype, "SUM") for r in range(world)]
+        inputs = [_moved(case, r, 517, dtype) for r in range(world)]
         out = torch.full((world * 517,), 7, dtype=dtype, device=dev)
         all_gather_single(out, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
@@ -107,30 +107,36 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     return [e for e in errors if e]
 
 
+def _moved(case, rank, numel, dtype):
+    return make_bytes(case, rank, numel, dtype) if dtype in MOVED_ONLY else make_input(case, rank, numel, dtype, "SUM")
+
+
 def forwarded_ops(rank, world, group, case):
     """gather, scatter, all_to_all_single and a send/recv ring (the operations hca's wrappers hand to
-    the stock engine over every rank), against their inputs."""
+    the stock engine over every rank), against their inputs; float8 too, which gloo knows only as bytes."""
     errors = []
-    inputs = [make_input(case, r, 64, torch.float32, "SUM") for r in range(world)]
-    gathered = [torch.zeros(64) for _ in range(world)] if rank == 0 else None
-    dist.gather(inputs[rank].clone(), gathered, dst=0, group=group)
-    if rank == 0:
-        errors.append(mismatch("gather", torch.cat(gathered), torch.cat(inputs), world))
-    out = torch.zeros(64)
-    dist.scatter(out, [t.clone() for t in inputs] if rank == 0 else None, src=0, group=group)
-    errors.append(mismatch("scatter", out, inputs[rank], world))
-    blocks = [make_input(case + 1, r, 8 * world, torch.float32, "SUM") for r in range(world)]
-    out = torch.zeros(8 * world)
-    dist.all_to_all_single(out, blocks[rank].clone(), group=group)
-    want = torch.cat([blocks[r][rank * 8:(rank + 1) * 8] for r in range(world)])
-    errors.append(mismatch("all_to_all_single", out, want, world))
-    if world > 1:
-        got = torch.zeros(64)
-        ops = [dist.P2POp(dist.isend, inputs[rank].clone(), (rank + 1) % world, group),
-               dist.P2POp(dist.irecv, got, (rank - 1) % world, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        errors.append(mismatch("send/recv ring", got, inputs[(rank - 1) % world], world))
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        case += 2
+        inputs = [_moved(case, r, 64, dtype) for r in range(world)]
+        gathered = [torch.zeros(64, dtype=dtype) for _ in range(world)] if rank == 0 else None
+        dist.gather(inputs[rank].clone(), gathered, dst=0, group=group)
+        if rank == 0:
+            errors.append(mismatch(f"gather {dtype}", torch.cat(gathered), torch.cat(inputs), world))
+        out = torch.zeros(64, dtype=dtype)
+        dist.scatter(out, [t.clone() for t in inputs] if rank == 0 else None, src=0, group=group)
+        errors.append(mismatch(f"scatter {dtype}", out, inputs[rank], world))
+        blocks = [_moved(case + 1, r, 8 * world, dtype) for r in range(world)]
+        out = torch.zeros(8 * world, dtype=dtype)
+        dist.all_to_all_single(out, blocks[rank].clone(), group=group)
+        want = torch.cat([blocks[r][rank * 8:(rank + 1) * 8] for r in range(world)])
+        errors.append(mismatch(f"all_to_all_single {dtype}", out, want, world))
+        if world > 1:
+            got = torch.zeros(64, dtype=dtype)
+            ops = [dist.P2POp(dist.isend, inputs[rank].clone(), (rank + 1) % world, group),
+                   dist.P2POp(dist.irecv, got, (rank - 1) % world, group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            errors.append(mismatch(f"send/recv ring {dtype}", got, inputs[(rank - 1) % world], world))
     return errors
 
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import SMALL_CHUNKS, raises, run_ranks
-from reference import (DTYPES, FLOATS, OPS, all_gather_single, make_input,
+from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_bytes, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -447,3 +447,69 @@ def _avg_of_halves(rank, world, device):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_avg_of_half_dtypes_rounds_once(world, device):
     assert run_ranks(_avg_of_halves, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _moved_only(rank, world, device):
+    """float8/float4 tensors (FSDP2's float8 all-gathers) through every collective that moves data,
+    every byte checked; the reductions refuse them, and the group goes on."""
+    dev, errors, refusals = rank_device(device, rank), [], []
+    root = world - 1
+
+    def check(what, got, want):
+        errors.append(mismatch(what, got, want, 1))
+
+    for case, dtype in enumerate(MOVED_ONLY, start=2100):
+        for numel in (1, BIG):
+            inputs = [make_bytes(case, r, numel, dtype) for r in range(world)]
+            name = f"{dtype} numel={numel}"
+            t = inputs[rank].to(dev, copy=True)
+            dist.broadcast(t, src=root)
+            check(f"broadcast {name}", t, inputs[root])
+            flat = torch.empty(numel * world, dtype=dtype, device=dev)
+            all_gather_single(flat, inputs[rank].to(dev))
+            check(f"all_gather_single {name}", flat, torch.cat(inputs))
+            outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)]
+            dist.all_gather(outs, inputs[rank].to(dev))
+            for r in range(world):
+                check(f"all_gather [{r}] {name}", outs[r], inputs[r])
+            gathered = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
+            dist.gather(inputs[rank].to(dev), gathered, dst=root)
+            for r in range(world if rank == root else 0):
+                check(f"gather [{r}] {name}", gathered[r], inputs[r])
+            pieces = [make_bytes(case + 50, j, numel, dtype) for j in range(world)]
+            out = torch.empty(numel, dtype=dtype, device=dev)
+            dist.scatter(out, [p.to(dev) for p in pieces] if rank == root else None, src=root)
+            check(f"scatter {name}", out, pieces[rank])
+            # all_to_all: rank i sends j + 1 rows of numel to rank j
+            rows = [make_bytes(case + 100, r, numel * world * (world + 1) // 2, dtype) for r in range(world)]
+            starts = [numel * j * (j + 1) // 2 for j in range(world)]
+            got = torch.empty(numel * (rank + 1) * world, dtype=dtype, device=dev)
+            dist.all_to_all_single(got, rows[rank].to(dev), output_split_sizes=[numel * (rank + 1)] * world,
+                                   input_split_sizes=[numel * (j + 1) for j in range(world)])
+            check(f"all_to_all {name}", got,
+                  torch.cat([rows[r][starts[rank]:starts[rank] + numel * (rank + 1)] for r in range(world)]))
+            received = torch.empty(numel, dtype=dtype, device=dev)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, inputs[rank].to(dev), (rank + 1) % world),
+                                            dist.P2POp(dist.irecv, received, (rank - 1) % world)])
+            for work in works:
+                work.wait()
+            check(f"isend/irecv {name}", received, inputs[(rank - 1) % world])
+        t = inputs[rank].to(dev, copy=True)
+        refusals.append(raises(lambda: dist.all_reduce(t), TypeError))
+        refusals.append(raises(lambda: reduce_scatter_single(torch.empty(1, dtype=dtype, device=dev),
+                                                             torch.empty(world, dtype=dtype, device=dev)), TypeError))
+        refusals.append(raises(lambda: dist.reduce(t, dst=root, op=dist.ReduceOp.MAX), TypeError))
+    ones = torch.ones(5, device=dev)
+    dist.all_reduce(ones)  # the refused calls started nothing
+    errors.append(mismatch("all_reduce after the refusals", ones, torch.full((5,), float(world)), 1, exact=True))
+    return [e for e in errors if e], refusals
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_float8_tensors_are_moved_not_reduced(world, device):
+    for errors, refusals in run_ranks(_moved_only, world, device, env=SMALL_CHUNKS):
+        assert errors == []
+        assert len(refusals) == 3 * len(MOVED_ONLY)
+        for msg, dtype in zip(refusals, [d for d in MOVED_ONLY for _ in range(3)]):
+            name = str(dtype).replace("torch.f", "F")
+            assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg

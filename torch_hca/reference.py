@@ -11,6 +11,9 @@ import torch.distributed as dist
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool]
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+# Moved (broadcast, gathers, scatter, all-to-all, messages) but never reduced: compared as bytes.
+MOVED_ONLY = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+              torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
 # warn); an older torch (2.11 on the GPU machine) has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -45,6 +48,12 @@ def make_input(case, rank, numel, dtype, op):
         return x.to(dtype)
     lo, hi = (1, 3) if op == "PRODUCT" else (-20 if dtype != torch.uint8 else 1, 21)
     return torch.randint(lo, hi, (numel,), generator=g).to(dtype)
+
+
+def make_bytes(case, rank, numel, dtype):
+    """Seeded random bytes as `dtype`, every bit pattern possible (NaNs too): for MOVED_ONLY dtypes."""
+    g = torch.Generator().manual_seed(case * 7919 + rank)
+    return torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8).view(dtype)
 
 
 def reduce_reference(inputs, op):
@@ -95,6 +104,8 @@ def mismatch(name, got, want, world_size, exact=False):
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{name}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+    if got.dtype in MOVED_ONLY:
+        got, want, exact = got.view(torch.uint8), want.view(torch.uint8), True
     bad = wrong_elements(got, want, world_size, exact)
     if bad.any():
         a, b = got.to(torch.float64).flatten(), want.to(torch.float64).flatten()  # first bad element by flat index

@@ -46,7 +46,12 @@ bool is_chunk(const at::Tensor& part, const at::Tensor& whole, int index) {
 
 }  // namespace
 
+bool moved_as_bytes(at::ScalarType type) { return c10::isFloat8Type(type) || type == at::kFloat4_e2m1fn_x2; }
+
 DType plan_dtype(at::ScalarType type, const char* op) {
+  TORCH_CHECK_TYPE(!moved_as_bytes(type), "hca ", op, ": dtype ", type, " is not supported in reductions (float32, "
+                   "float64, float16, bfloat16, int8, uint8, int32, int64, bool); broadcast, all_gather, gather, "
+                   "scatter, all_to_all, send and recv move it");
   switch (type) {
     case at::kFloat: return DType::F32;
     case at::kDouble: return DType::F64;
@@ -86,7 +91,9 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
                       " tensors are not supported (dense tensors only)");
     TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "hca ", name, ": tensors on ", t.device(), " and ",
                       tensors[0].device(), " in one call");
-    descs_.push_back({plan_dtype(t.scalar_type(), name), static_cast<size_t>(t.numel())});
+    // Moved, not reduced, as uint8 (NCCL does the same); reduce_op() refuses them.
+    const DType dtype = moved_as_bytes(t.scalar_type()) ? DType::U8 : plan_dtype(t.scalar_type(), name);
+    descs_.push_back({dtype, static_cast<size_t>(t.numel())});
     // Refused here, before any data moves: the write-back after the call could not store into it.
     TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "hca ", name, ": tensor ", descs_.size() - 1,
                       " of the call is a view whose elements share memory (expand(), a stride of 0): pass a "
@@ -128,6 +135,7 @@ bool floating(DType dtype) {
 
 ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
+  for (const auto& t : original_) plan_dtype(t.scalar_type(), name_);  // dtypes only moved are refused here
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM && scaled) {
     for (const auto& d : descs_) {
       TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",

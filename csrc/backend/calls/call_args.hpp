@@ -59,7 +59,8 @@ class CallArgs {
   std::string text(size_t first, size_t count) const;
   // What identifies tensors [first, first + count) for the plan cache: dtypes and sizes, as bytes.
   void append_key(std::string& key, size_t first, size_t count) const;
-  // The plan's op for `op` on every tensor's dtype, or a ValueError. With `scaled`
+  // The plan's op for `op` on every tensor's dtype, or a ValueError (a TypeError for a
+  // dtype that is moved only). With `scaled`
   // (the tensors it multiplies), PREMUL_SUM (dist._make_nccl_premul_sum) is SUM
   // over those tensors multiplied by its factor in the call's turn (premultiply()).
   ReduceOp reduce_op(const c10d::ReduceOp& op, const Scaled* scaled = nullptr);
@@ -86,7 +87,9 @@ class CallArgs {
   PremulFactor factor_;
 };
 
-// The plan's element type for a tensor's dtype, or a TypeError naming it.
+// The 1-byte dtypes hca moves, as uint8, but does not reduce: float8 and float4.
+bool moved_as_bytes(at::ScalarType type);
+// The plan's element type for a dtype hca reduces, or a TypeError naming it.
 DType plan_dtype(at::ScalarType type, const char* op);
 void check_nonempty(size_t count, const char* what, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").

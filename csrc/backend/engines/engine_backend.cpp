@@ -6,6 +6,20 @@
 
 namespace hca {
 
+std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> viewed = tensors;
+  for (auto& t : viewed) {
+    if (t.defined() && moved_as_bytes(t.scalar_type())) t = t.view(at::kByte);
+  }
+  return viewed;
+}
+
+std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<std::vector<at::Tensor>> viewed;
+  for (const auto& list : lists) viewed.push_back(engine_bytes(list));
+  return viewed;
+}
+
 EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backend(rank, size), engines_(engines) {
   TORCH_CHECK_VALUE(engines_.cpu, "hca: a stock engine for CPU tensors is needed");
 }
@@ -68,7 +82,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at:
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
   return issue({"gather", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] { return engine(inputs[0], "gather").gather(outputs, inputs, opts); });
+                [&] {
+                  auto outs = engine_bytes(outputs);
+                  auto ins = engine_bytes(inputs);
+                  return engine(inputs[0], "gather").gather(outs, ins, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -76,7 +94,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
   return issue({"scatter", flattened(inputs), outputs}, opts.asyncOp,
-                [&] { return engine(outputs[0], "scatter").scatter(outputs, inputs, opts); });
+                [&] {
+                  auto outs = engine_bytes(outputs);
+                  auto ins = engine_bytes(inputs);
+                  return engine(outputs[0], "scatter").scatter(outs, ins, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -84,7 +106,9 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
   return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
-    return engine(input, "alltoall_base").alltoall_base(output, input, output_splits, input_splits, opts);
+    auto out = engine_bytes({output})[0];
+    auto in = engine_bytes({input})[0];
+    return engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts);
   });
 }
 
@@ -93,7 +117,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
                                                        const c10d::AllToAllOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "alltoall");
   return issue({"all_to_all", inputs, outputs}, opts.asyncOp,
-                [&] { return engine(inputs[0], "alltoall").alltoall(outputs, inputs, opts); });
+                [&] {
+                  auto outs = engine_bytes(outputs);
+                  auto ins = engine_bytes(inputs);
+                  return engine(inputs[0], "alltoall").alltoall(outs, ins, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -101,25 +129,38 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
                                                                   const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
   return issue({"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] { return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outputs, inputs, opts); });
+                [&] {
+                  auto outs = engine_bytes(outputs);
+                  auto ins = engine_bytes(inputs);
+                  return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "send");
   return issue(CommsCall::message("send", tensors, dst), true,
-                [&] { return engine(tensors[0], "send").send(tensors, dst, tag); });
+                [&] {
+                  auto bytes = engine_bytes(tensors);
+                  return engine(tensors[0], "send").send(bytes, dst, tag);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
   return issue(CommsCall::message("recv", tensors, src), true,
-                [&] { return engine(tensors[0], "recv").recv(tensors, src, tag); });
+                [&] {
+                  auto bytes = engine_bytes(tensors);
+                  return engine(tensors[0], "recv").recv(bytes, src, tag);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
   return issue(CommsCall::message("recv", tensors, -1), true,
-                [&] { return engine(tensors[0], "recv").recvAnysource(tensors, tag); });
+                [&] {
+                  auto bytes = engine_bytes(tensors);
+                  return engine(tensors[0], "recv").recvAnysource(bytes, tag);
+                });
 }
 
 void EngineBackend::post_step(c10::intrusive_ptr<c10d::Work> work) {

@@ -16,6 +16,11 @@ struct Engines {
   c10::intrusive_ptr<c10d::Backend> cpu, cuda;
 };
 
+// The tensors as the engines move them: float8 and float4 ones as uint8 views
+// (gloo knows no float8; NCCL moves them as uint8 where it has no float8 type).
+std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors);
+std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists);
+
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);
 // Sets the default timeout of each engine there is.

@@ -80,7 +80,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
                                                              const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
   return issue({"broadcast", tensors, tensors}, opts.asyncOp,
-                [&] { return engine(tensors[0], "broadcast").broadcast(tensors, opts); });
+                [&] {
+                  auto bytes = engine_bytes(tensors);
+                  return engine(tensors[0], "broadcast").broadcast(bytes, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -95,20 +98,30 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
                                                              const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather");
   return issue({"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] { return engine(inputs[0], "allgather").allgather(outputs, inputs, opts); });
+                [&] {
+                  auto outs = engine_bytes(outputs);
+                  auto ins = engine_bytes(inputs);
+                  return engine(inputs[0], "allgather").allgather(outs, ins, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
   return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
-                [&] { return engine(input, "allgather_into_tensor")._allgather_base(output, input, opts); });
+                [&] {
+                  auto out = engine_bytes({output})[0];
+                  auto in = engine_bytes({input})[0];
+                  return engine(input, "allgather_into_tensor")._allgather_base(out, in, opts);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
   return issue({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outputs, inputs, opts);
+    auto outs = engine_bytes(outputs);
+    auto ins = engine_bytes(inputs);
+    return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts);
   });
 }
 
