@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from reference import (DTYPES, MOVED_ONLY, OPS, all_gather_single, make_bytes, make_input,
+from reference import (DTYPES, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 
@@ -66,7 +66,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     for root in range(world):
         for dtype in (torch.float32, torch.int32, torch.bool, torch.float8_e4m3fn):
             case += 1
-            inputs = [_moved(case, r, 1001, dtype) for r in range(world)]
+            inputs = [make_input(case, r, 1001, dtype, "SUM") for r in range(world)]
             t = inputs[rank].to(dev, copy=True)
             dist.broadcast(t, src=root, group=group)
             errors.append(mismatch(f"broadcast src={root} {dtype}", t, inputs[root], world))
@@ -79,7 +79,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
             errors.append(mismatch(f"reduce dst={root} {op} (rank {rank})", t, want, world))
     for dtype in (torch.float32, torch.float16, torch.int8, torch.float8_e5m2):
         case += 1
-        inputs = [_moved(case, r, 517, dtype) for r in range(world)]
+        inputs = [make_input(case, r, 517, dtype, "SUM") for r in range(world)]
         out = torch.full((world * 517,), 7, dtype=dtype, device=dev)
         all_gather_single(out, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather_into_tensor {dtype}", out, torch.cat(inputs), world))
@@ -107,17 +107,13 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     return [e for e in errors if e]
 
 
-def _moved(case, rank, numel, dtype):
-    return make_bytes(case, rank, numel, dtype) if dtype in MOVED_ONLY else make_input(case, rank, numel, dtype, "SUM")
-
-
 def forwarded_ops(rank, world, group, case):
     """gather, scatter, all_to_all_single and a send/recv ring (the operations hca's wrappers hand to
     the stock engine over every rank), against their inputs; float8 too, which gloo knows only as bytes."""
     errors = []
     for dtype in (torch.float32, torch.float8_e4m3fn):
         case += 2
-        inputs = [_moved(case, r, 64, dtype) for r in range(world)]
+        inputs = [make_input(case, r, 64, dtype, "SUM") for r in range(world)]
         gathered = [torch.zeros(64, dtype=dtype) for _ in range(world)] if rank == 0 else None
         dist.gather(inputs[rank].clone(), gathered, dst=0, group=group)
         if rank == 0:
@@ -125,7 +121,7 @@ def forwarded_ops(rank, world, group, case):
         out = torch.zeros(64, dtype=dtype)
         dist.scatter(out, [t.clone() for t in inputs] if rank == 0 else None, src=0, group=group)
         errors.append(mismatch(f"scatter {dtype}", out, inputs[rank], world))
-        blocks = [_moved(case + 1, r, 8 * world, dtype) for r in range(world)]
+        blocks = [make_input(case + 1, r, 8 * world, dtype, "SUM") for r in range(world)]
         out = torch.zeros(8 * world, dtype=dtype)
         dist.all_to_all_single(out, blocks[rank].clone(), group=group)
         want = torch.cat([blocks[r][rank * 8:(rank + 1) * 8] for r in range(world)])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import SMALL_CHUNKS, raises, run_ranks
-from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_bytes, make_input,
+from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -460,7 +460,7 @@ def _moved_only(rank, world, device):
 
     for case, dtype in enumerate(MOVED_ONLY, start=2100):
         for numel in (1, BIG):
-            inputs = [make_bytes(case, r, numel, dtype) for r in range(world)]
+            inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
             name = f"{dtype} numel={numel}"
             t = inputs[rank].to(dev, copy=True)
             dist.broadcast(t, src=root)
@@ -476,12 +476,12 @@ def _moved_only(rank, world, device):
             dist.gather(inputs[rank].to(dev), gathered, dst=root)
             for r in range(world if rank == root else 0):
                 check(f"gather [{r}] {name}", gathered[r], inputs[r])
-            pieces = [make_bytes(case + 50, j, numel, dtype) for j in range(world)]
+            pieces = [make_input(case + 50, j, numel, dtype, "SUM") for j in range(world)]
             out = torch.empty(numel, dtype=dtype, device=dev)
             dist.scatter(out, [p.to(dev) for p in pieces] if rank == root else None, src=root)
             check(f"scatter {name}", out, pieces[rank])
             # all_to_all: rank i sends j + 1 rows of numel to rank j
-            rows = [make_bytes(case + 100, r, numel * world * (world + 1) // 2, dtype) for r in range(world)]
+            rows = [make_input(case + 100, r, numel * world * (world + 1) // 2, dtype, "SUM") for r in range(world)]
             starts = [numel * j * (j + 1) // 2 for j in range(world)]
             got = torch.empty(numel * (rank + 1) * world, dtype=dtype, device=dev)
             dist.all_to_all_single(got, rows[rank].to(dev), output_split_sizes=[numel * (rank + 1)] * world,

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, run_ranks
 from node_cases import forwarded_ops
-from reference import OPS, all_gather_single, make_bytes, make_input, mismatch, rank_device, reduce_reference
+from reference import OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference
 
 # (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
 SPECS = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.float64, 1001), (torch.float32, 5),
@@ -59,7 +59,7 @@ def test_every_packing_branch_on_cuda_through_nccl(world):
 def _forwarded(rank, world):
     """Everything but allreduce goes straight to the engine (float8 as bytes, which gloo moves)."""
     errors = forwarded_ops(rank, world, dist.group.WORLD, 11)
-    eights = [make_bytes(6, r, 100, torch.float8_e4m3fn) for r in range(world)]
+    eights = [make_input(6, r, 100, torch.float8_e4m3fn, "SUM") for r in range(world)]
     inputs = [make_input(5, r, 100, torch.float32, "SUM") for r in range(world)]
     for moved in (inputs, eights):
         t = moved[rank].clone()

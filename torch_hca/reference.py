@@ -36,8 +36,11 @@ def supported(dtype, op):
 
 
 def make_input(case, rank, numel, dtype, op):
-    """Random non-zero data, in ranges where every op stays exact or representable."""
+    """Random non-zero data, in ranges where every op stays exact or representable (MOVED_ONLY
+    dtypes, which are never reduced: random bytes, every bit pattern possible, NaNs too)."""
     g = torch.Generator().manual_seed(case * 7919 + rank)
+    if dtype in MOVED_ONLY:
+        return torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8).view(dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, (numel,), generator=g).bool()
     if dtype in FLOATS:
@@ -48,12 +51,6 @@ def make_input(case, rank, numel, dtype, op):
         return x.to(dtype)
     lo, hi = (1, 3) if op == "PRODUCT" else (-20 if dtype != torch.uint8 else 1, 21)
     return torch.randint(lo, hi, (numel,), generator=g).to(dtype)
-
-
-def make_bytes(case, rank, numel, dtype):
-    """Seeded random bytes as `dtype`, every bit pattern possible (NaNs too): for MOVED_ONLY dtypes."""
-    g = torch.Generator().manual_seed(case * 7919 + rank)
-    return torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8).view(dtype)
 
 
 def reduce_reference(inputs, op):

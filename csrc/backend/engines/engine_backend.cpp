@@ -6,11 +6,13 @@
 
 namespace hca {
 
+at::Tensor engine_bytes(const at::Tensor& tensor) {
+  return tensor.defined() && moved_as_bytes(tensor.scalar_type()) ? tensor.view(at::kByte) : tensor;
+}
+
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors) {
-  std::vector<at::Tensor> viewed = tensors;
-  for (auto& t : viewed) {
-    if (t.defined() && moved_as_bytes(t.scalar_type())) t = t.view(at::kByte);
-  }
+  std::vector<at::Tensor> viewed;
+  for (const auto& t : tensors) viewed.push_back(engine_bytes(t));
   return viewed;
 }
 
@@ -106,8 +108,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
   return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
-    auto out = engine_bytes({output})[0];
-    auto in = engine_bytes({input})[0];
+    auto out = engine_bytes(output);
+    auto in = engine_bytes(input);
     return engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts);
   });
 }

@@ -18,6 +18,7 @@ struct Engines {
 
 // The tensors as the engines move them: float8 and float4 ones as uint8 views
 // (gloo knows no float8; NCCL moves them as uint8 where it has no float8 type).
+at::Tensor engine_bytes(const at::Tensor& tensor);
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors);
 std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists);
 

@@ -109,8 +109,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& o
                                                                    const c10d::AllgatherOptions& opts) {
   return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
                 [&] {
-                  auto out = engine_bytes({output})[0];
-                  auto in = engine_bytes({input})[0];
+                  auto out = engine_bytes(output);
+                  auto in = engine_bytes(input);
                   return engine(input, "allgather_into_tensor")._allgather_base(out, in, opts);
                 });
 }
