@@ -153,6 +153,12 @@ DIFFERING = {
                ['groups is "auto" on rank 0; [[0, 1], [2]] on ranks 1, 2']),
     "algorithm": ([{"TORCH_HCA_ALGORITHM": "nccl"}, {}, {}],
                   ['algorithm is "nccl" on rank 0; unset on ranks 1, 2']),
+    # Process settings beside the options: before, ranks 1 and 2 waited the whole timeout for rank 0's
+    # shared-memory staging and then blamed it; the self-test's collectives met the user's first call.
+    "cpu_executor": ([{"TORCH_HCA_CPU_EXECUTOR": "streams"}, {}, {}],
+                     ['TORCH_HCA_CPU_EXECUTOR is "streams" on rank 0; "shm" on ranks 1, 2']),
+    "self_test": ([{}, {"TORCH_HCA_SELF_TEST": "0"}, {}],
+                  ['TORCH_HCA_SELF_TEST is "1" on ranks 0, 2; "0" on rank 1']),
 }
 
 

@@ -47,22 +47,33 @@ def _create(dist_backend_opts, backend_options):
         raise
 
 
+def process_settings():
+    """The TORCH_HCA_* variables each process reads for itself, beside the options, that the ranks
+    must share: the executor of CPU tensors (ranks with different ones each wait for the others'
+    staging until the timeout, then blame a live peer) and the first-use self-test (its collectives,
+    run on some ranks only, meet the user's first call on the others)."""
+    return {"TORCH_HCA_CPU_EXECUTOR": cpu_executor(),
+            "TORCH_HCA_SELF_TEST": "1" if _C.ProcessGroupHCA.self_test_wanted() else "0"}
+
+
 def check_same_options(store, rank, size, options, timeout_ms):
     """Every option decides who sends what to whom (packs, aggregation, the reducing rank, the
     groups): ranks that disagree would sum the wrong pieces, or fail later with a misleading
-    error. ValueError on every rank, naming each option that differs and the ranks' values."""
-    mine = json.dumps(dataclasses.asdict(options), sort_keys=True)
-    reports = [json.loads(r) for r in _C.exchange_reports(store, "options", rank, size, mine, timeout_ms)]
+    error. So do the process settings. ValueError on every rank, naming each option or variable
+    that differs and the ranks' values."""
+    mine = {**dataclasses.asdict(options), **process_settings()}
+    reports = [json.loads(r) for r in _C.exchange_reports(store, "options", rank, size,
+                                                          json.dumps(mine, sort_keys=True), timeout_ms)]
     differences = []
-    for field in dataclasses.fields(Options):
+    for name in mine:
         by_value = {}
         for r, report in enumerate(reports):
-            value = report[field.name]
+            value = report[name]
             by_value.setdefault("unset" if value is None else json.dumps(value), []).append(r)
         if len(by_value) > 1:
             held = "; ".join(f"{value} on {'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
                              for value, ranks in by_value.items())
-            differences.append(f"{field.name} is {held}")
+            differences.append(f"{name} is {held}")
     if differences:
         raise ValueError("hca: the options must be the same on every rank (pg_options or TORCH_HCA_* variables): "
                          + "; and ".join(differences))

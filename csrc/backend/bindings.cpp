@@ -244,6 +244,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cpus_of_ranks") = std::vector<std::vector<int>>{},
            py::arg("cuda_tables_sharing_one_gpu") = std::map<int, ChoiceRows>{},
            py::call_guard<py::gil_scoped_release>())
+      .def_static("self_test_wanted", &ProcessGroupHCA::self_test_wanted)
       .def_property_readonly("algorithm",
                              [](const ProcessGroupHCA& pg) -> std::string {
                                return pg.options().by_size.empty() ? algorithm_name(pg.options().algorithm)

@@ -193,6 +193,10 @@ class ProcessGroupHCA : public c10d::Backend {
   void startCoalescing() override { calls_.open_window(); }
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
+  // TORCH_HCA_SELF_TEST is not "0" (read once, at the group's creation: not on
+  // every call; the ranks' settings are compared before that).
+  static bool self_test_wanted();
+
  private:
   // `ask` of the CPU or CUDA executor, or `none` where there is none (yet, or any more).
   template <class T>
@@ -233,8 +237,6 @@ class ProcessGroupHCA : public c10d::Backend {
   // each algorithm's all-reduce and broadcast checked on every rank
   // (self_test.cpp); DistBackendError on a wrong result, on every rank.
   void self_test_once(const at::Device& device);
-  // TORCH_HCA_SELF_TEST is not "0" (read once, at the group's creation: not on every call).
-  static bool self_test_wanted();
   // The group's internal streams for `device`'s tensors, null where its
   // executor runs each collective to the end on the host (shared memory).
   CallStreams* call_streams(const at::Device& device);
