@@ -119,10 +119,12 @@ def _group_made(rank, world):
     return "made"
 
 
-def test_a_wrong_cuda_staging_fails_at_init_naming_the_variable():
-    """Read when the group is made, like every variable: not at the first CUDA collective."""
-    with pytest.raises(RankFailed, match="TORCH_HCA_CUDA_STAGING='ipc'"):
-        run_ranks(_group_made, 1, env={"TORCH_HCA_CUDA_STAGING": "ipc"})
+@pytest.mark.parametrize("name, bad", [("TORCH_HCA_CUDA_STAGING", "ipc"), ("TORCH_HCA_SELF_TEST", "false")])
+def test_a_wrong_process_setting_fails_at_init_naming_the_variable(name, bad):
+    """Read when the group is made, like every variable: not at the first CUDA collective. A
+    self-test setting other than 0 or 1 ran the test unnoticed before."""
+    with pytest.raises(RankFailed, match=f"ValueError: {name}='{bad}'"):
+        run_ranks(_group_made, 1, env={name: bad})
 
 
 @pytest.mark.parametrize("reader, name", [(shm_slots, "TORCH_HCA_SHM_SLOTS"), (cuda_slots, "TORCH_HCA_CUDA_SLOTS")])

@@ -50,8 +50,12 @@ std::string difference(const std::string& what, const at::Tensor& got, const at:
 }  // namespace
 
 bool ProcessGroupHCA::self_test_wanted() {
-  const char* enabled = std::getenv("TORCH_HCA_SELF_TEST");
-  return !enabled || std::string(enabled) != "0";
+  const char* set = std::getenv("TORCH_HCA_SELF_TEST");
+  const std::string value = set ? set : "";
+  // Anything else (a "false", a "no") would leave the test running unnoticed.
+  TORCH_CHECK_VALUE(value.empty() || value == "0" || value == "1", "TORCH_HCA_SELF_TEST='", value,
+                    "': expected '0' (skip the self-test) or '1' (run it, the default)");
+  return value != "0";
 }
 
 void ProcessGroupHCA::self_test_once(const at::Device& device) {
