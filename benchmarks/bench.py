@@ -31,7 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_hca.bench import bus_factor, busy_processes, iterations, measure, median_seconds, parse_size, print_table
+from torch_hca.bench import (bus_factor, busy_processes, iterations, measure, median_seconds, parse_size, print_table,
+                             size_sweep)
 from torch_hca.costs import CANDIDATES
 from torch_hca.reference import rank_device
 
@@ -458,10 +459,10 @@ def main(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="tensors' device (auto: cuda when a GPU is present)")
     args = parser.parse_args(argv)
-    sizes, n = [], parse_size(args.min_bytes)
-    while n <= parse_size(args.max_bytes):
-        sizes.append(n)
-        n *= args.step
+    try:
+        sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.step)
+    except ValueError as e:
+        parser.error(f"--min-bytes, --max-bytes, --step: {e}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ops = [{"allreduce": "all_reduce"}.get(op, op) for op in args.ops.split(",")]  # the old name, in recorded commands
     pin = ([int(c) for c in args.pin_cores.split(",")] if args.pin_cores

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import print_speedups, ratios  # noqa: E402
-from torch_hca.bench import measure, parse_size, print_table  # noqa: E402
+from torch_hca.bench import measure, parse_size, print_table, size_sweep  # noqa: E402
 
 WORLD = 4
 
@@ -66,10 +66,10 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=4)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    sizes, n = [], parse_size(args.min_bytes)
-    while n <= parse_size(args.max_bytes):
-        sizes.append(n)
-        n *= args.step
+    try:
+        sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.step)
+    except ValueError as e:
+        parser.error(f"--min-bytes, --max-bytes, --step: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         mp.spawn(worker, args=(f"file://{tmp}/store", sizes, out), nprocs=WORLD)

@@ -64,10 +64,27 @@ def test_bench_under_torchrun(tmp_path):
     (["--redop", "avg", "-d", "int32"], "--redop avg: integer datatype 'int32'"),
     (["-r", "2", "--nprocs", "2"], "-r/--root: rank 2 is not in a world of 2 ranks"),
     (["-b", "1M", "-e", "1K"], "minbytes <= maxbytes"),
+    (["-f", "1"], "-f/--stepfactor: sizes grow by this factor, so it must be 2 or more, got 1"),  # swept for ever before
+    (["-n", "-1"], "-n and -w: need 0 or more calls, got -1 and 3"),
+    (["--num-packs", "-2"], "--algorithm / --num-packs: num_packs: requires num_packs >= 0"),  # every rank's traceback before
+    (["--algorithm", "fast"], "--algorithm / --num-packs: algorithm: unknown algorithm 'fast'"),
 ])
 def test_bench_refuses_bad_arguments_before_any_rank_starts(args, needle):
     with pytest.raises(SystemExit, match=needle):
         torch_hca.bench.main(args)
+
+
+@pytest.mark.parametrize("tool, args, needle", [
+    ("torch_hca.bench", ["-b", "1x"], "argument -b/--minbytes: expected a positive size such as 8, 64K or 1M, got '1x'"),
+    ("torch_hca.check", ["--world-sizes", "1,a"], "argument --world-sizes: expected rank counts such as 1,2,3"),
+    ("torch_hca.explain", ["3", "--groups", "0,a"], "argument --groups: expected lists of integers such as 0,1;2,3"),
+    ("torch_hca.explain", ["3", "--numels", "1k"], "argument --numels: expected comma-separated integers, got '1k'"),
+    ("torch_hca.explain", ["3", "--groups", "0,1;5"], "error: groups: rank 5 is outside the world of 3 ranks"),
+    ("torch_hca.explain", ["2", "--num-packs", "-1"], "error: num_packs: requires num_packs >= 0"),
+])
+def test_tools_name_a_bad_argument_in_one_line_not_a_traceback(tool, args, needle, tmp_path):
+    out = run_tool([tool, *args], tmp_path)
+    assert out.returncode == 2 and needle in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def corrupting(call, op_to_corrupt, rank_to_corrupt):

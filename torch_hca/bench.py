@@ -52,6 +52,28 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[suffix] if suffix in units else int(text)
 
 
+def size_arg(text: str) -> int:
+    """argparse's type of -b and -e: a positive size in bytes, with an optional K, M or G."""
+    try:
+        size = parse_size(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size such as 8, 64K or 1M, got {text!r}")
+    return size
+
+
+def size_sweep(smallest: int, largest: int, factor: int) -> list:
+    """smallest, smallest * factor, ... up to largest; ValueError unless the sizes grow (factor 2 or more)."""
+    if factor < 2:
+        raise ValueError(f"sizes grow by this factor, so it must be 2 or more, got {factor}")
+    sizes = []
+    while smallest <= largest:
+        sizes.append(smallest)
+        smallest *= factor
+    return sizes
+
+
 def bus_factor(op: str, world: int) -> float:
     if op == "broadcast":
         return 1.0
@@ -236,10 +258,7 @@ def run(args):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     dev, dtype = rank_device(args.device), DTYPES[args.datatype]
-    sizes, n = [], parse_size(args.minbytes)
-    while n <= parse_size(args.maxbytes):
-        sizes.append(n)
-        n = n * args.stepfactor if args.stepfactor > 1 else n + 1
+    sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
     timer_group = dist.group.WORLD
     options = hca_options(args)
     shown = options or Options.from_env()
@@ -291,9 +310,9 @@ def run(args):
 def parser():
     p = argparse.ArgumentParser(prog="python -m torch_hca.bench", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size (bytes; K, M, G suffixes)")
-    p.add_argument("-e", "--maxbytes", default="64M", help="largest size")
-    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between points")
+    p.add_argument("-b", "--minbytes", type=size_arg, default="8", help="smallest size (bytes; K, M, G suffixes)")
+    p.add_argument("-e", "--maxbytes", type=size_arg, default="64M", help="largest size")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between points (2 or more)")
     p.add_argument("-o", "--op", default="all_reduce", choices=OPS)
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
     p.add_argument("--redop", default="sum", choices=list(REDOP_NAMES), help="of all_reduce and reduce_scatter")
@@ -317,8 +336,18 @@ def main(argv=None):
         raise SystemExit(f"--compare: unknown backend {unknown[0]!r} (expected some of {', '.join(STOCK)})")
     if args.redop == "avg" and DTYPES[args.datatype] not in FLOATS:
         raise SystemExit(f"--redop avg: integer datatype {args.datatype!r} has no average (NCCL's rule too)")
-    if args.nprocs < 1 or parse_size(args.minbytes) < 1 or parse_size(args.maxbytes) < parse_size(args.minbytes):
-        raise SystemExit("--nprocs, -b and -e: need 1 <= nprocs and 1 <= minbytes <= maxbytes")
+    if args.nprocs < 1 or args.maxbytes < args.minbytes:
+        raise SystemExit("--nprocs, -b and -e: need 1 <= nprocs and minbytes <= maxbytes")
+    try:
+        size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
+    except ValueError as e:
+        raise SystemExit(f"-f/--stepfactor: {e}") from None
+    if args.iters < 0 or args.warmup_iters < 0:
+        raise SystemExit(f"-n and -w: need 0 or more calls, got {args.iters} and {args.warmup_iters}")
+    try:
+        hca_options(args)
+    except ValueError as e:
+        raise SystemExit(f"--algorithm / --num-packs: {e}") from None
     world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nprocs
     if not 0 <= args.root < world:
         raise SystemExit(f"-r/--root: rank {args.root} is not in a world of {world} ranks")

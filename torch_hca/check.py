@@ -208,10 +208,21 @@ def write_log(reports, path):
             f.write(f"# explain:\n{rep['explain']}\n\n")
 
 
+def world_sizes_arg(text):
+    """argparse's type of --world-sizes: "1,2,3" -> [1, 2, 3], each 1 or more."""
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        worlds = [0]
+    if min(worlds) < 1:
+        raise argparse.ArgumentTypeError(f"expected rank counts such as 1,2,3, each 1 or more, got {text!r}")
+    return worlds
+
+
 def parser():
     p = argparse.ArgumentParser(prog="python -m torch_hca.check", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", default="1,2,3", help="ranks to spawn, one run each (not under torchrun)")
+    p.add_argument("--world-sizes", type=world_sizes_arg, default="1,2,3", help="ranks to spawn, one run each (not under torchrun)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda where a GPU is")
     p.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait for its peers")
     p.add_argument("--log", help="every check's line (default: a new file in the temporary directory)")
@@ -225,9 +236,7 @@ def main(argv=None):
     args = parser().parse_args(argv)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     log_path = os.path.abspath(args.log or os.path.join(tempfile.gettempdir(), f"torch_hca_check-{stamp}.log"))
-    worlds = [int(os.environ["WORLD_SIZE"])] if launched_by_torchrun() else [int(w) for w in args.world_sizes.split(",")]
-    if min(worlds) < 1:
-        raise SystemExit("--world-sizes: each world needs at least one rank")
+    worlds = [int(os.environ["WORLD_SIZE"])] if launched_by_torchrun() else args.world_sizes
     reports = []
     with tempfile.TemporaryDirectory(prefix="torch_hca-check-") as tmp:
         for world in tqdm(worlds, desc="worlds", unit="world", file=sys.stderr, disable=None, leave=False):
