@@ -447,6 +447,32 @@ def plot(table, path, title):
     fig.savefig(path, dpi=110)
 
 
+def checked_arguments(parser, args):
+    """(world sizes, each world's contenders' labels), or the parser's error naming a wrong argument,
+    before any launch."""
+    try:
+        worlds = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        worlds = [0]
+    if min(worlds) < 2:  # one rank has no peer: FSDP2 issues no collectives there
+        parser.error(f"--world-sizes: expected rank counts such as 2,4, each 2 or more, got {args.world_sizes!r}")
+    for name, given, known in (("--models", args.models, MODELS), ("--wrappers", args.wrappers, WRAPPERS)):
+        unknown = [x for x in given.split(",") if x not in known]
+        if unknown:
+            parser.error(f"{name}: unknown {unknown[0]!r} (expected some of {', '.join(known)})")
+    if min(args.rounds, args.steps, args.batches) < 1:
+        parser.error("--rounds, --steps and --batches: need 1 or more each")
+    labels_by_world = {}
+    for world in worlds:
+        labels = [c[0] for c in contenders(world)]
+        chosen = [label for label in labels if not args.contenders or label in args.contenders.split(",")]
+        if not chosen:
+            parser.error(f"--contenders: none of {args.contenders!r} runs at {world} ranks "
+                         f"(the contenders there: {', '.join(labels)})")
+        labels_by_world[world] = chosen
+    return worlds, labels_by_world
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2")
@@ -464,9 +490,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.short:
         args.rounds, args.steps, args.batches, args.wrappers = 1, 2, 4, "ddp,fsdp2"
+    worlds, labels_by_world = checked_arguments(parser, args)
     rows = []
-    for world in [int(w) for w in args.world_sizes.split(",")]:
-        labels = [c[0] for c in contenders(world) if not args.contenders or c[0] in args.contenders.split(",")]
+    for world in worlds:
+        labels = labels_by_world[world]
         for model in args.models.split(","):
             for wrapper in args.wrappers.split(","):
                 for rnd in range(args.rounds):

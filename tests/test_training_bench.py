@@ -11,6 +11,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import training  # noqa: E402
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--models", "bogus"], "--models: unknown 'bogus' (expected some of transformer, wide-mlp, tiny)"),
+    (["--wrappers", "ddp,nope"], "--wrappers: unknown 'nope'"),
+    (["--world-sizes", "1"], "--world-sizes: expected rank counts such as 2,4, each 2 or more, got '1'"),
+    (["--steps", "0"], "--rounds, --steps and --batches: need 1 or more each"),  # a division by zero before
+    (["--contenders", "nope"], "--contenders: none of 'nope' runs at 2 ranks (the contenders there: gloo, hca"),
+])
+def test_training_benchmark_names_a_wrong_argument_before_any_launch(args, needle, capsys):
+    with pytest.raises(SystemExit):
+        training.main(args)
+    assert needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("world", [2, 3])  # FSDP2 issues no collectives at 1
 def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
     result = training.main(["--models", "tiny", "--world-sizes", str(world), "--wrappers", "ddp,fsdp2",
