@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_hca.bench import (bus_factor, busy_processes, iterations, measure, median_seconds, parse_size, print_table,
-                             size_sweep)
+from torch_hca.bench import (OPS, bus_factor, busy_processes, iterations, measure, median_seconds, parse_size,
+                             print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
 from torch_hca.reference import rank_device
 
@@ -439,6 +439,20 @@ def plot(rows, path, title, memcpy_gbps, bound_label):
     fig.savefig(path, dpi=110)
 
 
+def int_list(parser, name, text, least, example="2,4"):
+    """ "2,3,4" -> [2, 3, 4], or the parser's error naming the argument (each integer `least` or more)."""
+    try:
+        values = [int(w) for w in text.split(",")]
+    except ValueError:
+        values = [least - 1]
+    if min(values) < least:
+        parser.error(f"{name}: expected integers such as {example}, each {least} or more, got {text!r}")
+    return values
+
+
+MODES = ("batch", "latency", "choice")  # beside the ops of python -m torch_hca.bench
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-sizes", default="2")
@@ -465,11 +479,17 @@ def main(argv=None):
         parser.error(f"--min-bytes, --max-bytes, --step: {e}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     ops = [{"allreduce": "all_reduce"}.get(op, op) for op in args.ops.split(",")]  # the old name, in recorded commands
-    pin = ([int(c) for c in args.pin_cores.split(",")] if args.pin_cores
+    unknown = [op for op in ops if op not in OPS + MODES]
+    if unknown:
+        parser.error(f"--ops: unknown {unknown[0]!r} (expected some of {', '.join(OPS + MODES)})")
+    if args.busy < 0:
+        parser.error(f"--busy: expected 0 or more processes, got {args.busy}")
+    pin = (int_list(parser, "--pin-cores", args.pin_cores, 0, "0,32,1,33") if args.pin_cores
            else list(range(os.cpu_count())) if args.pin else None)
-    runs = [(int(w), [op for op in ops if op != "latency"]) for w in args.world_sizes.split(",")]
+    worlds = int_list(parser, "--world-sizes", args.world_sizes, 1)
+    runs = [(w, [op for op in ops if op != "latency"]) for w in worlds]
     if "latency" in ops:
-        runs += [(int(w), ["latency"]) for w in args.latency_world_sizes.split(",")]
+        runs += [(w, ["latency"]) for w in int_list(parser, "--latency-world-sizes", args.latency_world_sizes, 1)]
     rows = []
     with busy_processes(args.busy):
         for world, run_ops in runs:

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import alternating_medians
+from bench import alternating_medians, int_list
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -450,12 +450,7 @@ def plot(table, path, title):
 def checked_arguments(parser, args):
     """(world sizes, each world's contenders' labels), or the parser's error naming a wrong argument,
     before any launch."""
-    try:
-        worlds = [int(w) for w in args.world_sizes.split(",")]
-    except ValueError:
-        worlds = [0]
-    if min(worlds) < 2:  # one rank has no peer: FSDP2 issues no collectives there
-        parser.error(f"--world-sizes: expected rank counts such as 2,4, each 2 or more, got {args.world_sizes!r}")
+    worlds = int_list(parser, "--world-sizes", args.world_sizes, 2)  # FSDP2 issues no collectives on one rank
     for name, given, known in (("--models", args.models, MODELS), ("--wrappers", args.wrappers, WRAPPERS)):
         unknown = [x for x in given.split(",") if x not in known]
         if unknown:

@@ -58,3 +58,16 @@ def test_split_halves_takes_each_batchs_slowest_rank_and_both_orders_in_each_hal
     halves = run_ranks(halves_of_known_samples, 2, backend="gloo")
     # half 0: batches 0, 1, 4, 5 -> 0, 101, 4, 105; half 1: 2, 3, 6, 7 -> 2, 103, 6, 107
     assert halves == [{"m": [(4 + 101) / 2, (6 + 103) / 2]}] * 2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--ops", "allreduce,nope"], "--ops: unknown 'nope' (expected some of all_reduce, broadcast"),  # a KeyError in every rank
+    (["--world-sizes", "0"], "--world-sizes: expected integers such as 2,4, each 1 or more, got '0'"),  # a missing file
+    (["--latency-world-sizes", "1,x"], "--latency-world-sizes: expected integers such as 2,4, each 1 or more"),
+    (["--busy", "-1"], "--busy: expected 0 or more processes, got -1"),
+    (["--step", "1"], "--min-bytes, --max-bytes, --step: sizes grow by this factor, so it must be 2 or more"),
+])
+def test_the_benchmark_names_a_wrong_argument_before_any_launch(args, needle, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(args)
+    assert needle in capsys.readouterr().err

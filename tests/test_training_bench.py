@@ -14,7 +14,7 @@ import training  # noqa: E402
 @pytest.mark.parametrize("args, needle", [
     (["--models", "bogus"], "--models: unknown 'bogus' (expected some of transformer, wide-mlp, tiny)"),
     (["--wrappers", "ddp,nope"], "--wrappers: unknown 'nope'"),
-    (["--world-sizes", "1"], "--world-sizes: expected rank counts such as 2,4, each 2 or more, got '1'"),
+    (["--world-sizes", "1"], "--world-sizes: expected integers such as 2,4, each 2 or more, got '1'"),
     (["--steps", "0"], "--rounds, --steps and --batches: need 1 or more each"),  # a division by zero before
     (["--contenders", "nope"], "--contenders: none of 'nope' runs at 2 ranks (the contenders there: gloo, hca"),
 ])
