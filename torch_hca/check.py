@@ -222,7 +222,8 @@ def world_sizes_arg(text):
 def parser():
     p = argparse.ArgumentParser(prog="python -m torch_hca.check", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", type=world_sizes_arg, default="1,2,3", help="ranks to spawn, one run each (not under torchrun)")
+    p.add_argument("--world-sizes", type=world_sizes_arg, default="1,2,3",
+                   help="ranks to spawn, one run each (not under torchrun)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda where a GPU is")
     p.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait for its peers")
     p.add_argument("--log", help="every check's line (default: a new file in the temporary directory)")
