@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch_hca.bench import (OPS, bus_factor, busy_processes, iterations, measure, median_seconds, parse_size,
-                             print_table, size_sweep)
+from torch_hca.bench import (OPS, bus_factor, busy_processes, int_list_arg, iterations, measure, median_seconds,
+                             parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
 from torch_hca.reference import rank_device
 
@@ -439,23 +439,12 @@ def plot(rows, path, title, memcpy_gbps, bound_label):
     fig.savefig(path, dpi=110)
 
 
-def int_list(parser, name, text, least, example="2,4"):
-    """ "2,3,4" -> [2, 3, 4], or the parser's error naming the argument (each integer `least` or more)."""
-    try:
-        values = [int(w) for w in text.split(",")]
-    except ValueError:
-        values = [least - 1]
-    if min(values) < least:
-        parser.error(f"{name}: expected integers such as {example}, each {least} or more, got {text!r}")
-    return values
-
-
 MODES = ("batch", "latency", "choice")  # beside the ops of python -m torch_hca.bench
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", default="2")
+    parser.add_argument("--world-sizes", type=int_list_arg("integers such as 2,4", 1), default="2")
     parser.add_argument("--min-bytes", default="4")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
@@ -465,9 +454,11 @@ def main(argv=None):
                              "each fixed setting, alternating: the defaults-vs-best table)")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
-    parser.add_argument("--pin-cores", help='pin rank r to the r-th of these cores, e.g. "0,32,1,33" to alternate '
-                                            "sockets (groups='auto' then groups the ranks by socket)")
-    parser.add_argument("--latency-world-sizes", default="1,2,3,4", help="world sizes of the latency table")
+    parser.add_argument("--pin-cores", type=int_list_arg("integers such as 0,32,1,33", 0),
+                        help='pin rank r to the r-th of these cores, e.g. "0,32,1,33" to alternate '
+                             "sockets (groups='auto' then groups the ranks by socket)")
+    parser.add_argument("--latency-world-sizes", type=int_list_arg("integers such as 2,4", 1), default="1,2,3,4",
+                        help="world sizes of the latency table")
     parser.add_argument("--busy", type=int, default=0, help="processes that keep a CPU busy each beside the ranks")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -484,12 +475,10 @@ def main(argv=None):
         parser.error(f"--ops: unknown {unknown[0]!r} (expected some of {', '.join(OPS + MODES)})")
     if args.busy < 0:
         parser.error(f"--busy: expected 0 or more processes, got {args.busy}")
-    pin = (int_list(parser, "--pin-cores", args.pin_cores, 0, "0,32,1,33") if args.pin_cores
-           else list(range(os.cpu_count())) if args.pin else None)
-    worlds = int_list(parser, "--world-sizes", args.world_sizes, 1)
-    runs = [(w, [op for op in ops if op != "latency"]) for w in worlds]
+    pin = args.pin_cores or (list(range(os.cpu_count())) if args.pin else None)
+    runs = [(w, [op for op in ops if op != "latency"]) for w in args.world_sizes]
     if "latency" in ops:
-        runs += [(w, ["latency"]) for w in int_list(parser, "--latency-world-sizes", args.latency_world_sizes, 1)]
+        runs += [(w, ["latency"]) for w in args.latency_world_sizes]
     rows = []
     with busy_processes(args.busy):
         for world, run_ops in runs:
@@ -517,7 +506,7 @@ def main(argv=None):
     stamp = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name(0).replace(" ", "_") + "-" if device == "cuda" else ""
     busy = f"-busy{args.busy}" if args.busy else ""
-    name = f"{gpu}{device}-ranks{args.world_sizes.replace(',', '_')}{busy}-{stamp}"
+    name = f"{gpu}{device}-ranks{'_'.join(map(str, args.world_sizes))}{busy}-{stamp}"
     meta = dict(device=device, cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), busy=args.busy,
                 torch=torch.__version__, date=stamp, memcpy_GBps=memcpy, command=" ".join(sys.argv))
     with open(os.path.join(args.out, name + ".json"), "w") as f:

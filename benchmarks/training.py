@@ -56,7 +56,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench import alternating_medians, int_list
+from bench import alternating_medians
+from torch_hca.bench import int_list_arg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -448,9 +449,7 @@ def plot(table, path, title):
 
 
 def checked_arguments(parser, args):
-    """(world sizes, each world's contenders' labels), or the parser's error naming a wrong argument,
-    before any launch."""
-    worlds = int_list(parser, "--world-sizes", args.world_sizes, 2)  # FSDP2 issues no collectives on one rank
+    """Each world's contenders' labels, or the parser's error naming a wrong argument, before any launch."""
     for name, given, known in (("--models", args.models, MODELS), ("--wrappers", args.wrappers, WRAPPERS)):
         unknown = [x for x in given.split(",") if x not in known]
         if unknown:
@@ -458,19 +457,20 @@ def checked_arguments(parser, args):
     if min(args.rounds, args.steps, args.batches) < 1:
         parser.error("--rounds, --steps and --batches: need 1 or more each")
     labels_by_world = {}
-    for world in worlds:
+    for world in args.world_sizes:
         labels = [c[0] for c in contenders(world)]
         chosen = [label for label in labels if not args.contenders or label in args.contenders.split(",")]
         if not chosen:
             parser.error(f"--contenders: none of {args.contenders!r} runs at {world} ranks "
                          f"(the contenders there: {', '.join(labels)})")
         labels_by_world[world] = chosen
-    return worlds, labels_by_world
+    return labels_by_world
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", default="2")
+    # FSDP2 issues no collectives on one rank
+    parser.add_argument("--world-sizes", type=int_list_arg("integers such as 2,4", 2), default="2")
     parser.add_argument("--models", default=",".join(BENCHMARKED), help=f"of {', '.join(MODELS)}")
     parser.add_argument("--wrappers", default=",".join(WRAPPERS),
                         help="ddp, ddp-bucket-view (DDP(gradient_as_bucket_view=True)), fsdp2")
@@ -485,9 +485,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.short:
         args.rounds, args.steps, args.batches, args.wrappers = 1, 2, 4, "ddp,fsdp2"
-    worlds, labels_by_world = checked_arguments(parser, args)
+    labels_by_world = checked_arguments(parser, args)
     rows = []
-    for world in worlds:
+    for world in args.world_sizes:
         labels = labels_by_world[world]
         for model in args.models.split(","):
             for wrapper in args.wrappers.split(","):
@@ -503,7 +503,7 @@ def main(argv=None):
     print_meetings(table)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()
-    name = f"cpu-training-ranks{args.world_sizes.replace(',', '_')}{'-short' if args.short else ''}{args.tag}-{stamp}"
+    name = f"cpu-training-ranks{'_'.join(map(str, args.world_sizes))}{'-short' if args.short else ''}{args.tag}-{stamp}"
     meta = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), torch=torch.__version__,
                 date=stamp, command=" ".join(sys.argv),
                 environment={k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "TORCH_HCA_"))})

@@ -63,6 +63,21 @@ def size_arg(text: str) -> int:
     return size
 
 
+def int_list_arg(what: str, least=None):
+    """An argparse type: "2,3,4" -> [2, 3, 4], each `least` or more where given; else an error that
+    says what was expected (`what`, e.g. "rank counts such as 1,2,3")."""
+    def parse(text):
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            values = None
+        if values is None or (least is not None and min(values) < least):
+            bound = "" if least is None else f", each {least} or more"
+            raise argparse.ArgumentTypeError(f"expected {what}{bound}, got {text!r}")
+        return values
+    return parse
+
+
 def size_sweep(smallest: int, largest: int, factor: int) -> list:
     """smallest, smallest * factor, ... up to largest; ValueError unless the sizes grow (factor 2 or more)."""
     if factor < 2:

@@ -25,7 +25,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from .bench import call, stock_refusal
+from .bench import call, int_list_arg, stock_refusal
 from .options import Options
 from .ranks import launched_by_torchrun, rank_device, run_on_ranks
 from .reference import (DTYPES, OPS as REDOPS, collective_reference, make_input, mismatch,
@@ -208,21 +208,10 @@ def write_log(reports, path):
             f.write(f"# explain:\n{rep['explain']}\n\n")
 
 
-def world_sizes_arg(text):
-    """argparse's type of --world-sizes: "1,2,3" -> [1, 2, 3], each 1 or more."""
-    try:
-        worlds = [int(w) for w in text.split(",")]
-    except ValueError:
-        worlds = [0]
-    if min(worlds) < 1:
-        raise argparse.ArgumentTypeError(f"expected rank counts such as 1,2,3, each 1 or more, got {text!r}")
-    return worlds
-
-
 def parser():
     p = argparse.ArgumentParser(prog="python -m torch_hca.check", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", type=world_sizes_arg, default="1,2,3",
+    p.add_argument("--world-sizes", type=int_list_arg("rank counts such as 1,2,3", 1), default="1,2,3",
                    help="ranks to spawn, one run each (not under torchrun)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda where a GPU is")
     p.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait for its peers")

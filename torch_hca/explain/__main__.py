@@ -2,6 +2,7 @@
 import argparse
 
 from .. import topology
+from ..bench import int_list_arg
 from . import __doc__ as DOC, explain
 
 
@@ -17,14 +18,6 @@ def _groups(text):
     return text if text in ("auto", "halves") else _ranks_lists(text)
 
 
-def _ints(text):
-    """ "1024,4096" -> [1024, 4096] """
-    try:
-        return [int(n) for n in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m torch_hca.explain", description=DOC.splitlines()[0])
     parser.add_argument("world_size", type=int)
@@ -32,13 +25,16 @@ def main(argv=None):
     parser.add_argument("--num-packs", type=int, help="default: chosen per call")
     parser.add_argument("--groups", type=_groups, help='e.g. "0,1,2,3;4,5,6,7"')
     parser.add_argument("--reduce-to-device", type=int)
-    parser.add_argument("--numels", type=_ints, default="1024", help="comma-separated tensor sizes")
+    parser.add_argument("--numels", type=int_list_arg("comma-separated integers"), default="1024",
+                        help="comma-separated tensor sizes")
     parser.add_argument("--collective", default="allreduce", choices=["allreduce", "reduce", "broadcast"])
     parser.add_argument("--root", type=int, default=0)
     parser.add_argument("--slot-bytes", type=int, help="staging slot size for the rounds (default: the shm slot)")
     parser.add_argument("--nodes", help='each rank\'s node, e.g. "a,a,b,b" (allreduce across nodes)')
-    parser.add_argument("--numa-nodes", type=_ranks_lists, help='each rank\'s NUMA nodes, e.g. "0;1;0;1" (groups="auto")')
-    parser.add_argument("--packages", type=_ranks_lists, help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
+    parser.add_argument("--numa-nodes", type=_ranks_lists,
+                        help='each rank\'s NUMA nodes, e.g. "0;1;0;1" (groups="auto")')
+    parser.add_argument("--packages", type=_ranks_lists,
+                        help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", help='each rank\'s GPU, e.g. "0,0,0,0" (--device cuda)')
     parser.add_argument("--here", action="store_true", help="print where this process runs (what it would report)")
