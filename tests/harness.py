@@ -39,9 +39,19 @@ def nccl_fits(ranks):
     return torch.cuda.device_count() >= ranks or torch.cuda.nccl.version() >= (2, 30, 0)
 
 
-def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_s, args, results, before_init,
+# Ranks fork from a server process that imported torch once (multiprocessing's forkserver), instead of
+# each spawning an interpreter that imports torch again: that import was most of the suite's time.
+# `fresh_interpreter=True` still spawns, for what only a new program sees (LD_PRELOAD).
+_FORKSERVER = mp.get_context("forkserver")
+_FORKSERVER.set_forkserver_preload(["torch"])
+
+
+def _entry(fn, rank, world_size, init_method, backend, pg_options, environ, timeout_s, args, results, before_init,
            stacks_after_s):
-    os.environ.update(env or {})
+    # A forked rank has the server's environment, from when it started: it takes the test's, as a
+    # spawned one inherits it.
+    os.environ.clear()
+    os.environ.update(environ)
     # A rank that crashes, or still runs just before the launch's deadline, prints where its threads are.
     faulthandler.enable()
     faulthandler.dump_traceback_later(stacks_after_s, exit=False)
@@ -63,18 +73,19 @@ def _entry(fn, rank, world_size, init_method, backend, pg_options, env, timeout_
 
 
 def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, env_per_rank=None,
-              pg_timeout_s=60.0, deadline_s=240.0, allow_missing=(), before_init=None):
+              pg_timeout_s=60.0, deadline_s=240.0, allow_missing=(), before_init=None, fresh_interpreter=False):
     """Returns [fn's value on rank 0, ..., rank N-1]; raises RankFailed with the tracebacks
     of failed ranks. `env_per_rank` adds variables rank by rank. Ranks in `allow_missing` may
     end without a result (value None). `before_init(rank)` runs in each rank before the group
     is created (picklable: a module-level function or a partial of one). HCA_TEST_DEADLINE_S
-    caps the deadline (a GPU session, where a hang must not eat the device call)."""
+    caps the deadline (a GPU session, where a hang must not eat the device call).
+    `fresh_interpreter=True` spawns each rank as a new program, not a fork of the server."""
     deadline_s = min(deadline_s, float(os.environ.get("HCA_TEST_DEADLINE_S", "inf")))
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh_interpreter else _FORKSERVER
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
-        envs = [{**(env or {}), **(env_per_rank[r] if env_per_rank else {})} for r in range(world_size)]
+        envs = [{**os.environ, **(env or {}), **(env_per_rank[r] if env_per_rank else {})} for r in range(world_size)]
         stacks_after_s = max(1.0, deadline_s - 5)
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init, backend, pg_options, envs[r], pg_timeout_s,
                                                   args, results, before_init, stacks_after_s), daemon=True)

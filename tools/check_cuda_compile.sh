@@ -23,14 +23,14 @@ print(' '.join('-I' + p for p in include_paths() + [sysconfig.get_paths()['inclu
 abi=$($PYTHON -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
 flags=(-std=c++17 -O0 -w -DHCA_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI=$abi -I"$out/shim" $includes)
 files=(csrc/transport/cuda/*.cu csrc/transport/cuda/*.cpp csrc/backend/calls/cuda/*.cpp csrc/backend/*.cpp csrc/backend/*/*.cpp)
-for f in "${files[@]}"; do
-  echo "nvcc -c $f"
-  nvcc "${flags[@]}" -c "$f" -o "$out/$(basename "$f").o"
-done
-echo "check_cuda_compile: ${#files[@]} files compiled"
 others=$(find csrc -name '*.cpp' -not -path 'csrc/backend/*' -not -path 'csrc/transport/cuda/*' | sort)
-for f in $others; do
-  echo "c++17 $f"
-  ${CXX:-g++} -std=c++17 -fsyntax-only -w -D_GLIBCXX_USE_CXX11_ABI=$abi $includes "$f"
-done
+# One compiler per core (xargs exits non-zero if any of them failed; set -e then stops here).
+jobs=${JOBS:-$(nproc)}
+export out
+nvcc_one() { echo "nvcc -c $1"; nvcc "$@" -o "$out/$(basename "$1").o"; }
+cxx_one() { echo "c++17 $1"; ${CXX:-g++} -std=c++17 -fsyntax-only -w "$@"; }
+export -f nvcc_one cxx_one
+printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I{} bash -c 'nvcc_one "$@"' _ {} -c "${flags[@]}"
+echo "check_cuda_compile: ${#files[@]} files compiled"
+printf '%s\n' $others | xargs -P "$jobs" -I{} bash -c 'cxx_one "$@"' _ {} -D_GLIBCXX_USE_CXX11_ABI=$abi $includes
 echo "check_cuda_compile: $(wc -w <<< "$others") other files checked as C++17"
