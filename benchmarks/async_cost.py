@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import alternating_medians  # noqa: E402
@@ -71,7 +71,7 @@ def main():
     rows = []
     for world in (int(w) for w in args.world_sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(worker, args=(world, f"file://{tmp}/store", f"{tmp}/rows.json"), nprocs=world)
+            start_ranks(worker, (world, f"file://{tmp}/store", f"{tmp}/rows.json"), world)
             with open(f"{tmp}/rows.json") as f:
                 rows += json.load(f)
     print("| ranks | size | blocking | async | blocking again | async / blocking | again / blocking "

@@ -30,7 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 from torch_hca.bench import (OPS, bus_factor, busy_processes, int_list_arg, iterations, measure, median_seconds,
                              parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
@@ -486,7 +486,7 @@ def main(argv=None):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rows.json")
-                mp.spawn(worker, args=(world, f"file://{tmp}/store", sizes, run_ops, out, device, pin), nprocs=world)
+                start_ranks(worker, (world, f"file://{tmp}/store", sizes, run_ops, out, device, pin), world)
                 with open(out) as f:
                     rows += json.load(f)
     batches = [r for r in rows if r.get("op") == "batch100"]

@@ -19,7 +19,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -72,7 +72,7 @@ def main(argv=None):
         parser.error(f"--min-bytes, --max-bytes, --step: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(worker, args=(f"file://{tmp}/store", sizes, out), nprocs=WORLD)
+        start_ranks(worker, (f"file://{tmp}/store", sizes, out), WORLD)
         with open(out) as f:
             rows = json.load(f)
     print_table(rows)

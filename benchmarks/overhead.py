@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 
 def mean_us(fn, calls):
@@ -76,7 +76,7 @@ def main():
     rows = fake_backend(args.calls)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args.calls, out), nprocs=args.world_size)
+        start_ranks(worker, (args.world_size, f"file://{tmp}/store", args.calls, out), args.world_size)
         rows.update(torch.load(out))
     print(f"# 4-byte allreduce, world size {args.world_size}, mean us per call over {args.calls} calls (rank 0)")
     for name, us in rows.items():

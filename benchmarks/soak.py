@@ -15,7 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 ALGORITHMS = [dict(algorithm="hierarchical_copy", num_packs=n) for n in (0, 1, 2, 5)] + [
     dict(algorithm="reduce_to_one_device"), dict(algorithm="nccl", num_packs=2)]
@@ -101,8 +101,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", args.collectives, args.seed),
-                 nprocs=args.world_size)
+        start_ranks(worker, (args.world_size, f"file://{tmp}/store", args.collectives, args.seed), args.world_size)
     left = [n for n in os.listdir("/dev/shm") if n.startswith("torch_hca")]
     print(f"/dev/shm entries of torch_hca left: {len(left)}")
     return 1 if left else 0

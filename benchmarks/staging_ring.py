@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 from torch_hca.bench import parse_size
 
@@ -71,8 +71,7 @@ def main():
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(worker, args=(args.world_size, f"file://{tmp}/store", slots, sizes, options, out),
-                 nprocs=args.world_size)
+        start_ranks(worker, (args.world_size, f"file://{tmp}/store", slots, sizes, options, out), args.world_size)
         rows = torch.load(out)
     print(f"# allreduce float32, {args.world_size} ranks, {args.algorithm}, num_packs={args.num_packs}: "
           "median (best) us per call")

@@ -54,7 +54,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch_hca.ranks import start_ranks
 
 from bench import alternating_medians
 from torch_hca.bench import int_list_arg
@@ -351,8 +351,7 @@ def worker(rank, world, init, contender, model_name, wrapper, steps, batches, ou
 def launch(world, contender, model_name, wrapper, steps, batches):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        mp.spawn(worker, args=(world, f"file://{tmp}/store", contender, model_name, wrapper, steps, batches, out),
-                 nprocs=world)
+        start_ranks(worker, (world, f"file://{tmp}/store", contender, model_name, wrapper, steps, batches, out), world)
         with open(out) as f:
             return json.load(f)
 

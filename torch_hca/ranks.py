@@ -19,8 +19,7 @@ def launched_by_torchrun(environ=None) -> bool:
 def run_on_ranks(main, args, nprocs: int):
     """main(args) on every rank, with a gloo default group up: this process's rank under
     torchrun (main's answer returned), else `nprocs` spawned processes that meet in a temporary
-    file store (None returned: they answer through files). They fork from multiprocessing's
-    forkserver, which imported torch once, rather than each importing it again."""
+    file store (None returned: they answer through files)."""
     if launched_by_torchrun():
         dist.init_process_group("gloo")
         try:
@@ -28,9 +27,15 @@ def run_on_ranks(main, args, nprocs: int):
         finally:
             dist.destroy_process_group()
     with tempfile.TemporaryDirectory(prefix="torch_hca-") as tmp:
-        mp.set_forkserver_preload(["torch"])
-        mp.start_processes(_spawned, args=(nprocs, f"file://{tmp}/store", main, args), nprocs=nprocs,
-                           start_method="forkserver")
+        start_ranks(_spawned, (nprocs, f"file://{tmp}/store", main, args), nprocs)
+
+
+def start_ranks(fn, args, nprocs: int):
+    """fn(rank, *args) in `nprocs` processes, as torch.multiprocessing.spawn runs it, but forked
+    from multiprocessing's forkserver, which imported torch once: a spawned process would import
+    it again, seconds of a short run per rank."""
+    mp.set_forkserver_preload(["torch"])
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def _spawned(rank, world, init_method, main, args):
