@@ -1,4 +1,4 @@
-"""The init methods users launch with: torchrun (env://) and tcp://."""
+"""The init methods users launch with: torchrun (env://) and tcp://; and the tests' own launcher."""
 import os
 import re
 import shutil
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torch_hca
+from harness import STREAMS_ENV, run_ranks
 
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist, torch_hca
@@ -126,3 +127,23 @@ def test_the_extension_keeps_a_static_cxx_runtime_to_itself():
                          timeout=60, check=True)
     exported = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
     assert not exported & {"_ZNSt6locale7classicEv", "_ZNSo9_M_insertIlEERSoT_"}
+
+
+def _environment_seen(rank, world):
+    return {name: os.environ.get(name) for name in ("HCA_TEST_REMOVED", "HCA_TEST_SET_LATER", "HCA_TEST_EVERY_RANK",
+                                                     "HCA_TEST_THIS_RANK", *STREAMS_ENV)}
+
+
+def test_the_tests_ranks_see_the_environment_the_test_has_at_launch(monkeypatch):
+    """The ranks fork from a server that started at the session's first launch, with the environment
+    of then: they must see the test's as it is now (the cpu-streams fixture sets its executor so)."""
+    monkeypatch.setenv("HCA_TEST_REMOVED", "1")
+    assert run_ranks(_environment_seen, 1)[0]["HCA_TEST_REMOVED"] == "1"  # the server is up by now
+    monkeypatch.delenv("HCA_TEST_REMOVED")
+    monkeypatch.setenv("HCA_TEST_SET_LATER", "later")
+    for name, value in STREAMS_ENV.items():
+        monkeypatch.setenv(name, value)
+    seen = run_ranks(_environment_seen, 3, env={"HCA_TEST_EVERY_RANK": "all"},
+                     env_per_rank=[{"HCA_TEST_THIS_RANK": str(r)} for r in range(3)])
+    assert seen == [{"HCA_TEST_REMOVED": None, "HCA_TEST_SET_LATER": "later", "HCA_TEST_EVERY_RANK": "all",
+                     "HCA_TEST_THIS_RANK": str(r), **STREAMS_ENV} for r in range(3)]
