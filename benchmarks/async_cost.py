@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from torch_hca.ranks import start_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

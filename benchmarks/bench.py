@@ -30,10 +30,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch_hca.ranks import start_ranks
 from torch_hca.bench import (OPS, bus_factor, busy_processes, int_list_arg, iterations, measure, median_seconds,
                              parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
+from torch_hca.ranks import start_ranks
 from torch_hca.reference import rank_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))

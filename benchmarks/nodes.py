@@ -19,12 +19,12 @@ import tempfile
 
 import torch
 import torch.distributed as dist
-from torch_hca.ranks import start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import print_speedups, ratios  # noqa: E402
 from torch_hca.bench import measure, parse_size, print_table, size_sweep  # noqa: E402
+from torch_hca.ranks import start_ranks  # noqa: E402
 
 WORLD = 4
 

@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from torch_hca.ranks import start_ranks
 
 

@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from torch_hca.ranks import start_ranks
 
 ALGORITHMS = [dict(algorithm="hierarchical_copy", num_packs=n) for n in (0, 1, 2, 5)] + [

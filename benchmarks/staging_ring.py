@@ -20,9 +20,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch_hca.ranks import start_ranks
 
 from torch_hca.bench import parse_size
+from torch_hca.ranks import start_ranks
 
 REPEATS = 7
 

@@ -54,10 +54,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch_hca.ranks import start_ranks
 
 from bench import alternating_medians
 from torch_hca.bench import int_list_arg
+from torch_hca.ranks import start_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
