@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from torch_hca.bench import int_list_arg
 from torch_hca.ranks import start_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,11 +67,11 @@ def worker(rank, world, init, out):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-sizes", default="1,2,3,4")
+    parser.add_argument("--world-sizes", type=int_list_arg("integers such as 1,2,4", 1), default="1,2,3,4")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args()
     rows = []
-    for world in (int(w) for w in args.world_sizes.split(",")):
+    for world in args.world_sizes:
         with tempfile.TemporaryDirectory() as tmp:
             start_ranks(worker, (world, f"file://{tmp}/store", f"{tmp}/rows.json"), world)
             with open(f"{tmp}/rows.json") as f:

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torch_hca.bench import parse_size
+from torch_hca.bench import int_list_arg, parse_size
 from torch_hca.ranks import start_ranks
 
 REPEATS = 7
@@ -60,22 +60,21 @@ def worker(rank, world, init, slots, sizes, options, out):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--slots", default="2,8,16,32")
+    parser.add_argument("--slots", type=int_list_arg("slot counts such as 2,8", 1), default="2,8,16,32")
     parser.add_argument("--sizes", default="4,64K,1M,16M")
     parser.add_argument("--num-packs", type=int, default=1)
     parser.add_argument("--algorithm", default="hierarchical_copy")
     parser.add_argument("--out", help="write the rows here as JSON")
     args = parser.parse_args()
-    slots = [int(s) for s in args.slots.split(",")]
     options = {"algorithm": args.algorithm, "num_packs": args.num_packs}
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        start_ranks(worker, (args.world_size, f"file://{tmp}/store", slots, sizes, options, out), args.world_size)
+        start_ranks(worker, (args.world_size, f"file://{tmp}/store", args.slots, sizes, options, out), args.world_size)
         rows = torch.load(out)
     print(f"# allreduce float32, {args.world_size} ranks, {args.algorithm}, num_packs={args.num_packs}: "
           "median (best) us per call")
-    print(f"{'bytes':>10} " + " ".join(f"{f'{s} slots':>18}" for s in slots))
+    print(f"{'bytes':>10} " + " ".join(f"{f'{s} slots':>18}" for s in args.slots))
     for nbytes in sizes:
         cells = [r for r in rows if r["bytes"] == nbytes]
         print(f"{nbytes:>10} " + " ".join(f"{r['median_us']:>9.1f} ({r['best_us']:>6.1f})" for r in cells))
