@@ -4,9 +4,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import NCCL_SHARED_GPU_ENV, nccl_fits, run_ranks
+from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
 from node_cases import forwarded_ops
-from reference import OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference
+from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
+                       reduce_scatter_single)
 
 # (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
 SPECS = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.float64, 1001), (torch.float32, 5),
@@ -86,6 +87,55 @@ def _forwarded(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_other_collectives_reach_the_engine(world):
     assert run_ranks(_forwarded, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
+
+
+# Dtypes gloo neither moves nor reduces ("Invalid scalar type"), as torch names them.
+NOT_FOR_GLOO = {torch.int16: "Short", torch.uint16: "UInt16", torch.uint32: "UInt32", torch.uint64: "UInt64"}
+
+
+def _refused_before_the_engine(rank, world):
+    """What gloo cannot take gets hca's own error, as under the other algorithms, before gloo sees
+    it: gloo says only "Invalid scalar type", and an AVG of integers it sums, then fails to divide,
+    and leaves the sums in the tensors."""
+    msgs = {}
+    for dtype, name in NOT_FOR_GLOO.items():
+        t = torch.ones(4 * world, dtype=dtype)
+        calls = {
+            "broadcast": lambda: dist.broadcast(t, src=0),
+            "all_gather": lambda: dist.all_gather([torch.empty_like(t) for _ in range(world)], t),
+            "all_gather_single": lambda: all_gather_single(torch.empty(4 * world * world, dtype=dtype), t),
+            "gather": lambda: dist.gather(t, [torch.empty_like(t) for _ in range(world)] if rank == 0 else None),
+            "all_to_all_single": lambda: dist.all_to_all_single(torch.empty_like(t), t),
+            "reduce": lambda: dist.reduce(t, dst=0),
+            "reduce_scatter_single": lambda: reduce_scatter_single(torch.empty(4, dtype=dtype), t),
+        }
+        for call, fn in calls.items():
+            msgs[f"{call} {name}"] = (raises(fn, TypeError), f"dtype {name} is not supported")
+    eight = torch.ones(2 * world).to(torch.float8_e4m3fn)
+    for call, fn in {"reduce": lambda: dist.reduce(eight, dst=0),
+                     "reduce_scatter_single": lambda: reduce_scatter_single(torch.empty(2).to(eight.dtype), eight),
+                     }.items():
+        msgs[f"{call} float8"] = (raises(fn, TypeError), "dtype Float8_e4m3fn is not supported in reductions")
+    ints = torch.full((2 * world,), rank + 1, dtype=torch.int32)
+    out = torch.zeros(2, dtype=torch.int32)
+    for call, fn in {"reduce": lambda: dist.reduce(ints, dst=0, op=dist.ReduceOp.AVG),
+                     "reduce_scatter_single": lambda: reduce_scatter_single(out, ints, op=dist.ReduceOp.AVG),
+                     "reduce_scatter": lambda: dist.reduce_scatter(out, list(ints.chunk(world)), op=dist.ReduceOp.AVG),
+                     }.items():
+        msgs[f"{call} AVG int32"] = (raises(fn, ValueError), "ReduceOp.AVG is not supported for int32")
+    untouched = torch.equal(ints, torch.full((2 * world,), rank + 1, dtype=torch.int32)) and not out.any()
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)  # nothing was started: the group goes on
+    return msgs, untouched, t.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_what_gloo_cannot_take_gets_hcas_error_first(world):
+    for msgs, untouched, summed in run_ranks(_refused_before_the_engine, world, pg_options=torch_hca.Options("nccl")):
+        for call, (msg, expected) in msgs.items():
+            assert expected in msg and not msg.startswith("UNEXPECTED"), (call, msg)
+        assert untouched
+        assert summed == [world * (world + 1) / 2] * 3
 
 
 def _after_the_engine(rank, world):

@@ -14,6 +14,10 @@ size_t element_size(DType dtype) {
   throw std::logic_error("unknown dtype");
 }
 
+bool is_floating(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
+}
+
 const char* dtype_name(DType dtype) {
   switch (dtype) {
     case DType::F32: return "float32";

@@ -18,6 +18,7 @@ enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max };
 enum class Algorithm : uint8_t { HierarchicalCopy, ReduceToOneDevice, Direct };
 
 size_t element_size(DType dtype);
+bool is_floating(DType dtype);
 const char* dtype_name(DType dtype);
 const char* op_name(ReduceOp op);
 const char* algorithm_name(Algorithm algorithm);

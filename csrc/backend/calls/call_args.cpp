@@ -68,6 +68,11 @@ DType plan_dtype(at::ScalarType type, const char* op) {
   }
 }
 
+void check_averaged(DType dtype, const char* op) {
+  TORCH_CHECK_VALUE(is_floating(dtype), "hca ", op, ": ReduceOp.AVG is not supported for ", dtype_name(dtype),
+                    " (floating dtypes only)");
+}
+
 void check_nonempty(size_t count, const char* what, const char* op) {
   TORCH_CHECK_VALUE(count > 0, "hca ", op, ": ", what, " is empty");
 }
@@ -125,20 +130,12 @@ void CallArgs::append_key(std::string& key, size_t first, size_t count) const {
   }
 }
 
-namespace {
-
-bool floating(DType dtype) {
-  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::F16 || dtype == DType::BF16;
-}
-
-}  // namespace
-
 ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
   for (const auto& t : original_) plan_dtype(t.scalar_type(), name_);  // dtypes only moved are refused here
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM && scaled) {
     for (const auto& d : descs_) {
-      TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",
+      TORCH_CHECK_VALUE(is_floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",
                         dtype_name(d.dtype), " (floating dtypes only)");
     }
     factor_ = PremulFactor::of(op, name_, device_);
@@ -155,10 +152,7 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
     case c10d::ReduceOp::MIN: return ReduceOp::Min;
     case c10d::ReduceOp::MAX: return ReduceOp::Max;
     case c10d::ReduceOp::AVG:
-      for (const auto& d : descs_) {
-        TORCH_CHECK_VALUE(floating(d.dtype), "hca ", name_, ": ReduceOp.AVG is not supported for ", dtype_name(d.dtype),
-                          " (floating dtypes only)");
-      }
+      for (const auto& d : descs_) check_averaged(d.dtype, name_);
       return ReduceOp::Avg;
     default: {
       const auto index = static_cast<size_t>(op.op_);

@@ -91,6 +91,8 @@ class CallArgs {
 bool moved_as_bytes(at::ScalarType type);
 // The plan's element type for a dtype hca reduces, or a TypeError naming it.
 DType plan_dtype(at::ScalarType type, const char* op);
+// ValueError for ReduceOp.AVG on a dtype that is not floating.
+void check_averaged(DType dtype, const char* op);
 void check_nonempty(size_t count, const char* what, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);

@@ -6,20 +6,31 @@
 
 namespace hca {
 
-at::Tensor engine_bytes(const at::Tensor& tensor) {
-  return tensor.defined() && moved_as_bytes(tensor.scalar_type()) ? tensor.view(at::kByte) : tensor;
+at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
+  if (!tensor.defined()) return tensor;
+  if (moved_as_bytes(tensor.scalar_type())) return tensor.view(at::kByte);
+  if (tensor.is_cpu()) plan_dtype(tensor.scalar_type(), op);  // gloo moves what hca's plans do
+  return tensor;
 }
 
-std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors) {
+std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op) {
   std::vector<at::Tensor> viewed;
-  for (const auto& t : tensors) viewed.push_back(engine_bytes(t));
+  for (const auto& t : tensors) viewed.push_back(engine_bytes(t, op));
   return viewed;
 }
 
-std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists) {
+std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op) {
   std::vector<std::vector<at::Tensor>> viewed;
-  for (const auto& list : lists) viewed.push_back(engine_bytes(list));
+  for (const auto& list : lists) viewed.push_back(engine_bytes(list, op));
   return viewed;
+}
+
+void check_gloo_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.is_cpu()) continue;
+    const DType dtype = plan_dtype(t.scalar_type(), op);  // gloo reduces what hca's plans do
+    if (reduce_op == c10d::ReduceOp::AVG) check_averaged(dtype, op);
+  }
 }
 
 EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backend(rank, size), engines_(engines) {
@@ -85,8 +96,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at:
   check_nonempty(inputs.size(), "the input list", "gather");
   return issue({"gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs);
-                  auto ins = engine_bytes(inputs);
+                  auto outs = engine_bytes(outputs, "gather");
+                  auto ins = engine_bytes(inputs, "gather");
                   return engine(inputs[0], "gather").gather(outs, ins, opts);
                 });
 }
@@ -97,8 +108,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
   check_nonempty(outputs.size(), "the output list", "scatter");
   return issue({"scatter", flattened(inputs), outputs}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs);
-                  auto ins = engine_bytes(inputs);
+                  auto outs = engine_bytes(outputs, "scatter");
+                  auto ins = engine_bytes(inputs, "scatter");
                   return engine(outputs[0], "scatter").scatter(outs, ins, opts);
                 });
 }
@@ -108,8 +119,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
   return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
-    auto out = engine_bytes(output);
-    auto in = engine_bytes(input);
+    auto out = engine_bytes(output, "alltoall_base");
+    auto in = engine_bytes(input, "alltoall_base");
     return engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts);
   });
 }
@@ -120,8 +131,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
   check_nonempty(inputs.size(), "the input list", "alltoall");
   return issue({"all_to_all", inputs, outputs}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs);
-                  auto ins = engine_bytes(inputs);
+                  auto outs = engine_bytes(outputs, "alltoall");
+                  auto ins = engine_bytes(inputs, "alltoall");
                   return engine(inputs[0], "alltoall").alltoall(outs, ins, opts);
                 });
 }
@@ -132,8 +143,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
   return issue({"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs);
-                  auto ins = engine_bytes(inputs);
+                  auto outs = engine_bytes(outputs, "allgather_coalesced");
+                  auto ins = engine_bytes(inputs, "allgather_coalesced");
                   return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts);
                 });
 }
@@ -142,7 +153,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tens
   check_nonempty(tensors.size(), "the tensor list", "send");
   return issue(CommsCall::message("send", tensors, dst), true,
                 [&] {
-                  auto bytes = engine_bytes(tensors);
+                  auto bytes = engine_bytes(tensors, "send");
                   return engine(tensors[0], "send").send(bytes, dst, tag);
                 });
 }
@@ -151,7 +162,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tens
   check_nonempty(tensors.size(), "the tensor list", "recv");
   return issue(CommsCall::message("recv", tensors, src), true,
                 [&] {
-                  auto bytes = engine_bytes(tensors);
+                  auto bytes = engine_bytes(tensors, "recv");
                   return engine(tensors[0], "recv").recv(bytes, src, tag);
                 });
 }
@@ -160,7 +171,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tens
   check_nonempty(tensors.size(), "the tensor list", "recv");
   return issue(CommsCall::message("recv", tensors, -1), true,
                 [&] {
-                  auto bytes = engine_bytes(tensors);
+                  auto bytes = engine_bytes(tensors, "recv");
                   return engine(tensors[0], "recv").recvAnysource(bytes, tag);
                 });
 }

@@ -18,9 +18,18 @@ struct Engines {
 
 // The tensors as the engines move them: float8 and float4 ones as uint8 views
 // (gloo knows no float8; NCCL moves them as uint8 where it has no float8 type).
-at::Tensor engine_bytes(const at::Tensor& tensor);
-std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors);
-std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists);
+// A CPU tensor of a dtype neither hca nor gloo moves (int16, uint16, uint32,
+// uint64) is hca's TypeError naming call `op`, where gloo would say only
+// "Invalid scalar type".
+at::Tensor engine_bytes(const at::Tensor& tensor, const char* op);
+std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op);
+std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op);
+
+// Before a reduction of CPU tensors reaches gloo, hca's own errors: a TypeError
+// for a dtype gloo cannot reduce (float8, int16, ...), a ValueError for AVG on
+// integers (gloo sums, then fails to divide, and leaves the sums in the
+// tensors). CUDA tensors reach NCCL under its own rules.
+void check_gloo_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op);
 
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);

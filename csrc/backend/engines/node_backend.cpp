@@ -86,7 +86,7 @@ void NodeBackend::check_device(const at::Device& device, const char* op) const {
 NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<at::Tensor> tensors,
                                                      const Issue& issue) const {
   const Engines& engines = leaders_.at(position);
-  tensors = engine_bytes(tensors);
+  tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   AmongLeaders call;
   const bool cuda = !tensors.empty() && tensors[0].device().is_cuda();
   if (cuda && engines.cuda) {

@@ -81,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
   return issue({"broadcast", tensors, tensors}, opts.asyncOp,
                 [&] {
-                  auto bytes = engine_bytes(tensors);
+                  auto bytes = engine_bytes(tensors, "broadcast");
                   return engine(tensors[0], "broadcast").broadcast(bytes, opts);
                 });
 }
@@ -89,6 +89,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
+  check_gloo_reduction(tensors, opts.reduceOp, "reduce");
   return issue({"reduce", tensors, tensors}, opts.asyncOp,
                 [&] { return engine(tensors[0], "reduce").reduce(tensors, opts); });
 }
@@ -99,8 +100,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
   check_nonempty(inputs.size(), "the input list", "allgather");
   return issue({"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs);
-                  auto ins = engine_bytes(inputs);
+                  auto outs = engine_bytes(outputs, "allgather");
+                  auto ins = engine_bytes(inputs, "allgather");
                   return engine(inputs[0], "allgather").allgather(outs, ins, opts);
                 });
 }
@@ -109,8 +110,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& o
                                                                    const c10d::AllgatherOptions& opts) {
   return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
                 [&] {
-                  auto out = engine_bytes(output);
-                  auto in = engine_bytes(input);
+                  auto out = engine_bytes(output, "allgather_into_tensor");
+                  auto in = engine_bytes(input, "allgather_into_tensor");
                   return engine(input, "allgather_into_tensor")._allgather_base(out, in, opts);
                 });
 }
@@ -119,8 +120,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
   return issue({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    auto outs = engine_bytes(outputs);
-    auto ins = engine_bytes(inputs);
+    auto outs = engine_bytes(outputs, "allgather_into_tensor");
+    auto ins = engine_bytes(inputs, "allgather_into_tensor");
     return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts);
   });
 }
@@ -129,6 +130,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "reduce_scatter");
+  check_gloo_reduction(flattened(inputs), opts.reduceOp, "reduce_scatter");
+  check_gloo_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flattened(inputs), "reduce_scatter");
   return issue({"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
     return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, summing(opts, scale)),
@@ -138,6 +141,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
+  check_gloo_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
   return issue({"_reduce_scatter_base", {input}, {output}}, opts.asyncOp, [&] {
     return scaled_after(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, summing(opts, scale)),
@@ -148,6 +152,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
+  check_gloo_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
+  check_gloo_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
   return issue({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
     return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
