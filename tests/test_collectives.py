@@ -134,6 +134,44 @@ def test_broadcast_reduce_allgather_reduce_scatter(world, device):
     assert run_ranks(_rooted, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
+def _uneven_lists(rank, world, device):
+    """all_gather and reduce_scatter in their list forms with a size of its own for each rank's part,
+    as NCCL takes them (gloo takes reduce_scatter's): a part of no elements, one over many staging
+    rounds. Ranks that disagree on the sizes are told so."""
+    dev = rank_device(device, rank)
+    sizes = [1001, 0, BIG, 3][:world]
+    starts = [sum(sizes[:j]) for j in range(world)]
+    errors, case = [], 3000
+    for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct"):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+        for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int64, "MAX")):
+            case += 2
+            parts = [make_input(case, r, sizes[r], dtype, op).to(dev) for r in range(world)]
+            outs = [torch.empty(n, dtype=dtype, device=dev) for n in sizes]
+            dist.all_gather(outs, parts[rank], group=group)
+            for r in range(world):
+                errors.append(mismatch(f"all_gather {algorithm} {dtype} from {r}", outs[r], parts[r], world))
+            whole = [make_input(case + 1, r, sum(sizes), dtype, op).to(dev) for r in range(world)]
+            out = torch.empty(sizes[rank], dtype=dtype, device=dev)
+            dist.reduce_scatter(out, list(whole[rank].split(sizes)), op=OPS[op], group=group)
+            want = reduce_reference(whole, op)[starts[rank]:starts[rank] + sizes[rank]]
+            errors.append(mismatch(f"reduce_scatter {algorithm} {dtype} {op}", out, want, world))
+    if world > 1:
+        # Each rank's own part matches its tensor, but the ranks' lists differ: both calls refused.
+        group = dist.new_group(backend="hca")
+        mine = [2, 3 + rank] + [1] * (world - 2)
+        outs = [torch.empty(n, device=dev) for n in mine]
+        message = raises(lambda: dist.all_gather(outs, torch.ones(mine[rank], device=dev), group=group),
+                         dist.DistBackendError)
+        errors.append(None if "mismatched calls" in message and "Float[2+3" in message else message)
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_list_forms_with_a_size_per_rank(world, device):
+    assert run_ranks(_uneven_lists, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
 def _odd_shapes(rank, world, device):
     """Non-contiguous views, multi-dimensional, zero-element and async use with futures."""
     dev = rank_device(device, rank)

@@ -122,6 +122,22 @@ def test_options_that_cannot_span_nodes_fail_on_every_rank(options, message):
     assert all(message in text for text in got), got
 
 
+def _uneven_lists_refused(rank, world):
+    sizes = [1 + r for r in range(world)]  # a size per rank: one node takes them, nodes do not
+    refused = [raises(lambda: dist.all_gather([torch.empty(n) for n in sizes], torch.ones(sizes[rank])), ValueError),
+               raises(lambda: dist.reduce_scatter(torch.empty(sizes[rank]), [torch.ones(n) for n in sizes]),
+                      ValueError)]
+    outs = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(outs, torch.full((2,), float(rank)))  # nothing was started: the group goes on
+    return refused, [o.tolist() for o in outs]
+
+
+def test_list_forms_with_a_size_per_rank_are_refused_across_nodes():
+    for refused, gathered in run_ranks(_uneven_lists_refused, 2, env_per_rank=_node_env(["a", "b"])):
+        assert all("across nodes every rank's must have the same size" in m for m in refused), refused
+        assert gathered == [[0.0, 0.0], [1.0, 1.0]]
+
+
 def _meta_tensor_refused(rank, world):
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     return raises(lambda: backend.allreduce([torch.empty(4, device="meta")], dist.AllreduceOptions()),

@@ -18,6 +18,13 @@ Schedule reduce_schedule(const PlanOptions& options, const Groups& groups, int w
                                                            : hierarchical_reduce(groups, root);
 }
 
+// Tensor `index` of the call, whole, as pack `index`.
+Pack one_tensor_pack(size_t index, DType dtype, size_t numel) { return {index, dtype, numel, {{index, 0, numel}}}; }
+
+PackPlan copy_pack(size_t index, DType dtype, size_t numel, int src, int dst) {
+  return {one_tensor_pack(index, dtype, numel), copy_schedule(src, dst)};
+}
+
 }  // namespace
 
 void validate(const PackingOptions& packing) {
@@ -104,23 +111,14 @@ std::vector<PackPlan> plan_broadcast(const std::vector<TensorDesc>& tensors, int
   return plan;
 }
 
-std::vector<PackPlan> plan_allgather(const TensorDesc& each, int world) {
+std::vector<PackPlan> plan_allgather(DType dtype, const std::vector<size_t>& counts) {
+  const int world = static_cast<int>(counts.size());
   std::vector<PackPlan> plan;
-  if (each.numel == 0) return plan;
   for (int j = 0; j < world; ++j) {
-    Pack pack{static_cast<size_t>(j), each.dtype, each.numel, {{static_cast<size_t>(j), 0, each.numel}}};
-    plan.push_back({std::move(pack), broadcast_schedule(world, j)});
+    if (counts[j] > 0) plan.push_back({one_tensor_pack(j, dtype, counts[j]), broadcast_schedule(world, j)});
   }
   return plan;
 }
-
-namespace {
-
-PackPlan copy_pack(size_t index, DType dtype, size_t numel, int src, int dst) {
-  return {Pack{index, dtype, numel, {{index, 0, numel}}}, copy_schedule(src, dst)};
-}
-
-}  // namespace
 
 std::vector<PackPlan> plan_gather(const TensorDesc& each, int world, int root) {
   std::vector<PackPlan> plan;
@@ -165,14 +163,13 @@ std::vector<size_t> alltoall_counts(const std::vector<int64_t>& announced, int w
   return counts;
 }
 
-std::vector<PackPlan> plan_reduce_scatter(const TensorDesc& each, int world, const PlanOptions& options) {
+std::vector<PackPlan> plan_reduce_scatter(DType dtype, const std::vector<size_t>& counts, const PlanOptions& options) {
+  const int world = static_cast<int>(counts.size());
   Groups storage;
   const Groups& groups = groups_or_default(options, world, storage);
   std::vector<PackPlan> plan;
-  if (each.numel == 0) return plan;
   for (int j = 0; j < world; ++j) {
-    Pack pack{static_cast<size_t>(j), each.dtype, each.numel, {{static_cast<size_t>(j), 0, each.numel}}};
-    plan.push_back({std::move(pack), reduce_schedule(options, groups, world, j)});
+    if (counts[j] > 0) plan.push_back({one_tensor_pack(j, dtype, counts[j]), reduce_schedule(options, groups, world, j)});
   }
   return plan;
 }

@@ -50,10 +50,12 @@ std::vector<PackPlan> plan_reduce(const std::vector<TensorDesc>& tensors, int wo
                                   const PlanOptions& options);
 // One pack per tensor, each copied from src to all.
 std::vector<PackPlan> plan_broadcast(const std::vector<TensorDesc>& tensors, int world, int src);
-// Pack j is rank j's contribution (tensor j in the caller's numbering), broadcast from j.
-std::vector<PackPlan> plan_allgather(const TensorDesc& each, int world);
-// Pack j is slice j (tensor j), reduced into rank j.
-std::vector<PackPlan> plan_reduce_scatter(const TensorDesc& each, int world, const PlanOptions& options);
+// Pack j is rank j's contribution, counts[j] elements (tensor j in the caller's
+// numbering), broadcast from j; the world is counts.size(). The counts may differ
+// from rank to rank (allgather's list form, as NCCL takes it). Empty packs are left out.
+std::vector<PackPlan> plan_allgather(DType dtype, const std::vector<size_t>& counts);
+// Pack j is slice j, counts[j] elements (tensor j), reduced into rank j; as above.
+std::vector<PackPlan> plan_reduce_scatter(DType dtype, const std::vector<size_t>& counts, const PlanOptions& options);
 
 // Pack j is rank j's tensor (tensor j), copied to `root`.
 std::vector<PackPlan> plan_gather(const TensorDesc& each, int world, int root);

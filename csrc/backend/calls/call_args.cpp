@@ -278,13 +278,28 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
     return j == input && i == static_cast<size_t>(rank) && is_chunk(t[j], t[i], 0) && t[i].numel() == t[j].numel();
   });
   for (size_t j = 0; j < list.size(); ++j) {
-    args.check_like(j, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
+    const bool own = j == static_cast<size_t>(rank);  // the others may differ in size, as NCCL takes them
+    args.check_like(j, input, static_cast<int64_t>(args.descs()[own ? input : j].numel),
+                    own ? "this rank's output tensor" : "an output tensor");
   }
   return args;
 }
 
-at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-                                         int size) {
+std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count) {
+  std::vector<size_t> counts;
+  for (size_t i = first; i < first + count; ++i) counts.push_back(args.descs()[i].numel);
+  return counts;
+}
+
+void check_even(const std::vector<size_t>& counts, size_t numel, const char* what, const char* op) {
+  for (size_t count : counts) {
+    TORCH_CHECK_VALUE(count == numel, "hca ", op, ": ", what, " of ", count, " elements where this rank's has ", numel,
+                      ": across nodes every rank's must have the same size (within a node they may differ)");
+  }
+}
+
+StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
+                                            std::vector<std::vector<at::Tensor>>& inputs, int rank, int size) {
   TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
                     "and one input list");
   TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size, "hca reduce_scatter: the input list has ",
@@ -294,10 +309,13 @@ at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::
   // The inputs are copied before anything is written: they may share memory with anything.
   const CallArgs checked("reduce_scatter", all, [](const std::vector<at::Tensor>&, size_t, size_t) { return true; });
   for (size_t j = 1; j < all.size(); ++j) {
-    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[0].numel), "an input tensor");
+    // Input j is reduced into rank j's output: only this rank's must match it.
+    const bool own = j == static_cast<size_t>(rank) + 1;
+    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[own ? 0 : j].numel),
+                       own ? "this rank's input tensor" : "an input tensor");
   }
   // Stacked so that one plan addresses every input; the copy costs one pass.
-  return at::cat(inputs[0]).reshape({-1});
+  return {at::cat(inputs[0]).reshape({-1}), numels(checked, 1, inputs[0].size()), checked.text(1, inputs[0].size())};
 }
 
 }  // namespace hca

@@ -109,14 +109,26 @@ CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, cons
 // A call of one sparse tensor (allreduce's sparse form).
 bool is_sparse_call(const std::vector<at::Tensor>& tensors);
 // allgather's list form checked (one input, one output list of one tensor per
-// rank, each like the input; in place: the input is output `rank`): the call's
-// arguments, the list first, the input last.
+// rank, each of the input's dtype, output `rank` of its size too; in place: the
+// input is output `rank`): the call's arguments, the list first, the input last.
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int rank,
                              int size);
-// reduce_scatter's list form checked (one output, one input per rank, each like
-// the output) and its inputs stacked into one tensor (a copy).
-at::Tensor stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-                                         int size);
+// The element counts of tensors [first, first + count) of a call.
+std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count);
+// ValueError unless every count is `numel` (list forms across nodes, whose stages take equal parts).
+void check_even(const std::vector<size_t>& counts, size_t numel, const char* what, const char* op);
+
+// reduce_scatter's list form: its inputs stacked into one tensor (a copy), each
+// input's element count, and the list as text ("Float[2+3+2]").
+struct StackedInputs {
+  at::Tensor tensor;
+  std::vector<size_t> counts;
+  std::string text;
+};
+// Checks the list form (one output, one input per rank, each of the output's
+// dtype, input `rank` of its size too) and stacks its inputs.
+StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
+                                            std::vector<std::vector<at::Tensor>>& inputs, int rank, int size);
 // The address `elements` elements into a dense tensor.
 char* byte_offset(const at::Tensor& t, int64_t elements);
 

@@ -443,7 +443,8 @@ Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t ou
   const at::Tensor& out = args.dense()[output];
   std::vector<TensorSpan> spans;
   for (int j = 0; j < getSize(); ++j) spans.push_back({in.data_ptr(), byte_offset(out, j * numel)});
-  return collective(plan_allgather(args.descs()[input], getSize()), std::move(spans), ReduceOp::Sum, args.name(),
+  const std::vector<size_t> counts(getSize(), args.descs()[input].numel);
+  return collective(plan_allgather(args.descs()[input].dtype, counts), std::move(spans), ReduceOp::Sum, args.name(),
                     args.text(input, 1));
 }
 
@@ -457,8 +458,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vecto
   std::vector<TensorSpan> spans;
   for (size_t j = 0; j < list.size(); ++j) spans.push_back({in.data_ptr(), args.dense()[j].data_ptr()});
   std::vector<Collective> cs;
-  cs.push_back(collective(plan_allgather(args.descs()[input], getSize()), std::move(spans), ReduceOp::Sum,
-                          "allgather", args.text(input, 1)));
+  // Every rank's part, as the list gives them (they may differ in size): the same text on every rank.
+  cs.push_back(collective(plan_allgather(args.descs()[input].dtype, numels(args, 0, list.size())), std::move(spans),
+                          ReduceOp::Sum, "allgather", args.text(0, list.size())));
   return calls_(*this, {"all_gather", inputs, list}, opts.asyncOp, [&] {
     return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
                   opts.asyncOp);
@@ -503,16 +505,32 @@ Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size
   const at::Tensor& out = args.dense()[output];
   std::vector<TensorSpan> spans;
   for (int j = 0; j < getSize(); ++j) spans.push_back({byte_offset(in, j * numel), out.data_ptr()});
-  return collective(plan_reduce_scatter(args.descs()[output], getSize(), options_for(args.device())), std::move(spans), op, args.name(),
-                    args.text(output, 1) + ", " + op_name(op));
+  const std::vector<size_t> counts(getSize(), args.descs()[output].numel);
+  return collective(plan_reduce_scatter(args.descs()[output].dtype, counts, options_for(args.device())),
+                    std::move(spans), op, args.name(), args.text(output, 1) + ", " + op_name(op));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
-  at::Tensor stacked = stacked_reduce_scatter_inputs(outputs, inputs, getSize());
-  std::vector<at::Tensor> outs{outputs[0]}, ins{stacked};
-  return reduce_scatter_tensor_coalesced(outs, ins, opts);
+  StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
+  CallArgs args("reduce_scatter", {outputs[0], stacked.tensor});  // the stack is a copy: it shares nothing
+  const Scaled stack_in_place{1, 1, false};
+  const ReduceOp op = args.reduce_op(opts.reduceOp, &stack_in_place);
+  // Input j (counts[j] elements, maybe not the output's size on other ranks) into rank j's output.
+  std::vector<TensorSpan> spans;
+  int64_t at = 0;
+  for (size_t count : stacked.counts) {
+    spans.push_back({byte_offset(args.dense()[1], at), args.dense()[0].data_ptr()});
+    at += static_cast<int64_t>(count);
+  }
+  std::vector<Collective> cs;
+  cs.push_back(collective(plan_reduce_scatter(args.descs()[0].dtype, stacked.counts, options_for(args.device())),
+                          std::move(spans), op, "reduce_scatter", stacked.text + ", " + op_name(op)));
+  return calls_(*this, {"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
+    return launch(c10d::OpType::REDUCE_SCATTER, std::move(args), std::move(cs), outputs,
+                  timeout_or_default(opts.timeout), opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,

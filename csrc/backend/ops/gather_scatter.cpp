@@ -216,7 +216,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
       args.check_like(r * k + t, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
       spans.push_back({args.dense()[input].data_ptr(), args.dense()[r * k + t].data_ptr()});
     }
-    cs.push_back(collective(plan_allgather(args.descs()[input], world), std::move(spans), ReduceOp::Sum,
+    const std::vector<size_t> counts(world, args.descs()[input].numel);
+    cs.push_back(collective(plan_allgather(args.descs()[input].dtype, counts), std::move(spans), ReduceOp::Sum,
                             "allgather_coalesced", args.text(input, 1)));
   }
   return calls_(*this, {"allgather_coalesced", inputs, results}, opts.asyncOp, [&] {
