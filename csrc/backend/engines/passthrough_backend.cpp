@@ -130,10 +130,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "reduce_scatter");
-  check_gloo_reduction(flattened(inputs), opts.reduceOp, "reduce_scatter");
+  const auto flat_inputs = flattened(inputs);
+  check_gloo_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
   check_gloo_reduction(outputs, opts.reduceOp, "reduce_scatter");
-  const auto scale = post_scale(opts.reduceOp, flattened(inputs), "reduce_scatter");
-  return issue({"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
+  const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
+  return issue({"reduce_scatter", flat_inputs, outputs}, opts.asyncOp, [&] {
     return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, summing(opts, scale)),
                         outputs, scale, opts.asyncOp);
   });
