@@ -1,7 +1,8 @@
 """What training scripts use on top of the collectives, on hca and on gloo: the same results.
 
 DDP's options (unused parameters, a static graph), uneven inputs under `Join`, ZeRO, tensor
-parallelism, periodic model averaging, distributed checkpoints of FSDP2 shards, DCP's async save
+parallelism, periodic model averaging, FSDP1 (the wrapper Hugging Face Accelerate uses) in two sharding
+strategies with its full state dict gathered, distributed checkpoints of FSDP2 shards, DCP's async save
 through a group of its own while DDP trains, DDP under `torch.compile`, and the collectives that
 autograd differentiates. Each runs in one launch per backend; every rank's results are compared
 with gloo's, and each case checks that it moved the parameters, so that a case which communicated
@@ -116,6 +117,33 @@ def _model_averaging(rank, world):
     return _arrays(model.parameters())
 
 
+def _fsdp1(rank, world, strategy, use_orig_params):
+    """FSDP1 with a unit per layer; the trained model is read back through its full state dict,
+    which all-gathers every unit's shards."""
+    from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = FSDP(_mlp(), sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=use_orig_params,
+                 auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    _train(model, _batch, 4, rank)
+    # offload_to_cpu=True breaks FSDP1 on CPU parameters under any backend (torch 2.13: setStorage out of bounds)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False)):
+        return _arrays(model.state_dict().values())
+
+
+def _fsdp1_full_shard(rank, world):
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return _fsdp1(rank, world, ShardingStrategy.FULL_SHARD, use_orig_params=False)
+
+
+def _fsdp1_shard_grad_op(rank, world):
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return _fsdp1(rank, world, ShardingStrategy.SHARD_GRAD_OP, use_orig_params=True)
+
+
 def _checkpoint(rank, world, folder):
     """FSDP2 shards saved with torch.distributed.checkpoint and loaded into a fresh model."""
     import torch.distributed.checkpoint as dcp
@@ -186,7 +214,8 @@ def _autograd_collectives(rank, world):
 
 CASES = {"unused_parameters": _unused_parameters, "static_graph": _static_graph, "uneven_inputs": _uneven_inputs,
          "zero": _zero, "tensor_parallel": _tensor_parallel, "model_averaging": _model_averaging,
-         "compiled_ddp": _compiled_ddp, "autograd_collectives": _autograd_collectives}
+         "compiled_ddp": _compiled_ddp, "autograd_collectives": _autograd_collectives,
+         "fsdp1_full_shard": _fsdp1_full_shard, "fsdp1_shard_grad_op": _fsdp1_shard_grad_op}
 
 
 def _every_case(rank, world, folder):
