@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from reference import (DTYPES, OPS, all_gather_single, make_input,
+from reference import (BITWISE, DTYPES, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
 
@@ -19,7 +19,8 @@ def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case, 
     errors, case = [], first_case
     for dtype in dtypes:
         for op in ops:
-            if not supported(dtype, op):
+            # Between nodes, CUDA tensors are refused the bitwise ops NCCL lacks (test_nodes checks that).
+            if not supported(dtype, op) or (dev.type == "cuda" and op in BITWISE):
                 continue
             for numel in sizes:
                 case += 1
@@ -63,6 +64,7 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     dev = rank_device(device, rank)
     group = _group(algorithm, inter_node_backend, num_packs=2)
     errors, case = [], 1000
+    cpu_bitwise = (("BOR", torch.int32), ("BXOR", torch.int64)) if device == "cpu" else ()
     for root in range(world):
         for dtype in (torch.float32, torch.int32, torch.bool, torch.float8_e4m3fn):
             case += 1
@@ -70,9 +72,9 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
             t = inputs[rank].to(dev, copy=True)
             dist.broadcast(t, src=root, group=group)
             errors.append(mismatch(f"broadcast src={root} {dtype}", t, inputs[root], world))
-        for op in ("SUM", "AVG", "MAX"):
+        for op, dtype in (("SUM", torch.float64), ("AVG", torch.float64), ("MAX", torch.float64)) + cpu_bitwise:
             case += 1
-            inputs = [make_input(case, r, 999, torch.float64, op) for r in range(world)]
+            inputs = [make_input(case, r, 999, dtype, op) for r in range(world)]
             t = inputs[rank].to(dev, copy=True)
             dist.reduce(t, dst=root, op=OPS[op], group=group)
             want = reduce_reference(inputs, op) if rank == root else inputs[rank]
@@ -86,14 +88,14 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
         outs = [torch.full((517,), 7, dtype=dtype, device=dev) for _ in range(world)]
         dist.all_gather(outs, inputs[rank].to(dev, copy=True), group=group)
         errors.append(mismatch(f"all_gather {dtype}", torch.cat(outs), torch.cat(inputs), world))
-    for op in ("SUM", "AVG", "MAX"):
+    for op, dtype in (("SUM", torch.float32), ("AVG", torch.float32), ("MAX", torch.float32)) + cpu_bitwise:
         case += 1
-        inputs = [make_input(case, r, world * 333, torch.float32, op) for r in range(world)]
+        inputs = [make_input(case, r, world * 333, dtype, op) for r in range(world)]
         want = reduce_reference(inputs, op)[rank * 333:(rank + 1) * 333]
-        out = torch.full((333,), 7.0, device=dev)
+        out = torch.full((333,), 7, dtype=dtype, device=dev)
         reduce_scatter_single(out, inputs[rank].to(dev, copy=True), op=OPS[op], group=group)
-        errors.append(mismatch(f"reduce_scatter_tensor {op}", out, want, world))
-        out = torch.full((333,), 7.0, device=dev)
+        errors.append(mismatch(f"reduce_scatter_tensor {op} {dtype}", out, want, world))
+        out = torch.full((333,), 7, dtype=dtype, device=dev)
         dist.reduce_scatter(out, list(inputs[rank].to(dev, copy=True).chunk(world)), op=OPS[op], group=group)
         errors.append(mismatch(f"reduce_scatter {op}", out, want, world))
     dist.barrier(group=group)

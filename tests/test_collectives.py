@@ -104,14 +104,15 @@ def _rooted(rank, world, device):
             for numel in (1, 1001, BIG):
                 for root in range(world):
                     case += 2
-                    inputs = [make_input(case, r, numel, dtype, "SUM").to(dev) for r in range(world)]
+                    op = "SUM" if dtype in FLOATS else ("SUM", "BXOR", "BAND", "BOR")[root % 4]  # integers: bitwise too
+                    inputs = [make_input(case, r, numel, dtype, op).to(dev) for r in range(world)]
                     t = inputs[rank].clone()
                     dist.broadcast(t, src=root, group=group)
                     errors.append(mismatch(f"broadcast {algorithm} {dtype} {numel} src={root}", t, inputs[root], world))
                     t = inputs[rank].clone()
-                    dist.reduce(t, dst=root, op=OPS["SUM"], group=group)
-                    want = reduce_reference(inputs, "SUM") if rank == root else inputs[rank]
-                    errors.append(mismatch(f"reduce {algorithm} {dtype} {numel} dst={root}", t, want, world))
+                    dist.reduce(t, dst=root, op=OPS[op], group=group)
+                    want = reduce_reference(inputs, op) if rank == root else inputs[rank]
+                    errors.append(mismatch(f"reduce {algorithm} {dtype} {op} {numel} dst={root}", t, want, world))
                 outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)]
                 dist.all_gather(outs, inputs[rank], group=group)
                 for r in range(world):
@@ -144,7 +145,7 @@ def _uneven_lists(rank, world, device):
     errors, case = [], 3000
     for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct"):
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
-        for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int64, "MAX")):
+        for dtype, op in ((torch.float32, "SUM"), (torch.bfloat16, "AVG"), (torch.int64, "MAX"), (torch.int32, "BXOR")):
             case += 2
             parts = [make_input(case, r, sizes[r], dtype, op).to(dev) for r in range(world)]
             outs = [torch.empty(n, dtype=dtype, device=dev) for n in sizes]

@@ -40,7 +40,7 @@ def _bad_input(rank, world):
         "float8": raises(lambda: dist.all_reduce(torch.ones(3).to(torch.float8_e4m3fn)), TypeError),
         "avg on int": raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.AVG),
                               ValueError),
-        "band": raises(lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND), ValueError),
+        "band on float": raises(lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND), ValueError),
         "bad src": raises(lambda: dist.broadcast(torch.ones(3), src=world + 5), ValueError),
         "gather size": raises(lambda: dist.all_gather([torch.ones(2) for _ in range(world)], torch.ones(3)),
                               ValueError),
@@ -69,7 +69,7 @@ def test_bad_input_gives_clear_errors():
         assert "hca allreduce: sparse tensors support ReduceOp.SUM only" in msgs["sparse max"], msgs
         assert "dtype Float8_e4m3fn is not supported" in msgs["float8"], msgs
         assert "ReduceOp.AVG is not supported for int32" in msgs["avg on int"], msgs
-        assert "ReduceOp.BAND is not supported" in msgs["band"], msgs
+        assert "ReduceOp.BAND is not supported for float32 (integer and bool dtypes only)" in msgs["band on float"], msgs
         assert "src 7 is outside the group of 2 ranks" in msgs["bad src"], msgs
         assert "has 2 elements, expected 3" in msgs["gather size"], msgs
         assert "different dtypes" in msgs["gather dtype"], msgs

@@ -7,7 +7,7 @@ import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
 from node_cases import forwarded_ops
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
-                       reduce_scatter_single)
+                       reduce_scatter_single, supported)
 
 # (dtype, numel): mixed dtypes in one batch, small and large, a zero-element tensor.
 SPECS = [(torch.float32, 13), (torch.int64, 7), (torch.float32, 0), (torch.float64, 1001), (torch.float32, 5),
@@ -27,8 +27,9 @@ def _batches(rank, world, device="cpu"):
     errors, case = [], 0
     for name, (packing, batch) in PACKINGS.items():
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl", **packing))
-        for op in ("SUM", "AVG", "MAX"):
-            specs = [(d, n) for d, n in batch if op != "AVG" or d.is_floating_point]
+        # BXOR of CUDA tensors is refused (NCCL has no bitwise ops): test_what_nccl_lacks_is_refused
+        for op in ("SUM", "AVG", "MAX") + (("BXOR",) if dev.type == "cpu" else ()):
+            specs = [(d, n) for d, n in batch if supported(d, op)]
             case += 1
             inputs = [[make_input(case * 100 + i, r, n, d, op) for i, (d, n) in enumerate(specs)] for r in range(world)]
             mine = [t.to(dev, copy=True) for t in inputs[rank]]
@@ -123,7 +124,17 @@ def _refused_before_the_engine(rank, world):
                      "reduce_scatter": lambda: dist.reduce_scatter(out, list(ints.chunk(world)), op=dist.ReduceOp.AVG),
                      }.items():
         msgs[f"{call} AVG int32"] = (raises(fn, ValueError), "ReduceOp.AVG is not supported for int32")
-    untouched = torch.equal(ints, torch.full((2 * world,), rank + 1, dtype=torch.int32)) and not out.any()
+    floats = torch.full((2 * world,), float(rank + 1))
+    float_out = torch.zeros(2)
+    for op in ("BAND", "BOR", "BXOR"):  # gloo: a RuntimeError that names no dtype
+        for call, fn in {"all_reduce": lambda: dist.all_reduce(floats, op=OPS[op]),
+                         "reduce": lambda: dist.reduce(floats, dst=0, op=OPS[op]),
+                         "reduce_scatter_single": lambda: reduce_scatter_single(float_out, floats, op=OPS[op]),
+                         "reduce_scatter": lambda: dist.reduce_scatter(float_out, list(floats.chunk(world)), op=OPS[op]),
+                         }.items():
+            msgs[f"{call} {op} float32"] = (raises(fn, ValueError), f"ReduceOp.{op} is not supported for float32")
+    untouched = (torch.equal(ints, torch.full((2 * world,), rank + 1, dtype=torch.int32)) and not out.any()
+                 and torch.equal(floats, torch.full((2 * world,), float(rank + 1))) and not float_out.any())
     t = torch.full((3,), float(rank + 1))
     dist.all_reduce(t)  # nothing was started: the group goes on
     return msgs, untouched, t.tolist()
@@ -136,6 +147,24 @@ def test_what_gloo_cannot_take_gets_hcas_error_first(world):
             assert expected in msg and not msg.startswith("UNEXPECTED"), (call, msg)
         assert untouched
         assert summed == [world * (world + 1) / 2] * 3
+
+
+def _bitwise_of_cuda_tensors(rank, world):
+    t = torch.full((4,), rank + 1, dtype=torch.int32, device=rank_device("cuda", rank))
+    message = raises(lambda: dist.all_reduce(t, op=dist.ReduceOp.BXOR), ValueError)
+    dist.all_reduce(t)  # refused before NCCL saw it: the group goes on
+    return message, t.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_what_nccl_lacks_is_refused(world):
+    """BAND, BOR and BXOR of CUDA tensors would reach NCCL, which has none: hca's ValueError first."""
+    if not nccl_fits(world):
+        pytest.skip("needs a CUDA device and NCCL that accepts these ranks")
+    for message, summed in run_ranks(_bitwise_of_cuda_tensors, world, pg_options=torch_hca.Options("nccl"),
+                                     env=NCCL_SHARED_GPU_ENV):
+        assert 'ReduceOp.BXOR of CUDA tensors is not supported with algorithm="nccl"' in message, message
+        assert summed == [world * (world + 1) / 2] * 4
 
 
 def _after_the_engine(rank, world):

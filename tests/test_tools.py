@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -164,17 +165,24 @@ def test_check_skips_the_pass_through_where_nccl_refuses_the_ranks(monkeypatch, 
     assert f"# skipped nccl pass-through: {reason}" in (tmp_path / "check.log").read_text()
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
-@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("op", ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"])
 def test_references_leave_their_inputs_alone(dtype, op):
-    """A float64 input's to(float64) is the input itself: the reference must copy before it sums."""
+    """A float64 input's to(float64) is the input itself: the reference must copy before it sums.
+    Each reference is checked against numpy's reductions of the stacked inputs."""
     if not torch_hca.reference.supported(dtype, op):
-        pytest.skip("AVG of integers")
+        pytest.skip("AVG of integers, bitwise ops of floating dtypes")
     inputs = [torch_hca.reference.make_input(3, r, 50, dtype, op) for r in range(3)]
     before = [t.clone() for t in inputs]
-    want = torch.stack([t.to(torch.float64) for t in before])
-    want = {"SUM": want.sum(0), "AVG": want.mean(0), "PRODUCT": want.prod(0), "MIN": want.min(0).values,
-            "MAX": want.max(0).values}[op].to(dtype)
+    stacked = np.stack([t.numpy() for t in before])
+    if op in ("BAND", "BOR", "BXOR"):
+        ufunc = {"BAND": np.bitwise_and, "BOR": np.bitwise_or, "BXOR": np.bitwise_xor}[op]
+        want = torch.from_numpy(ufunc.reduce(stacked, axis=0))
+    else:
+        stacked = stacked.astype(np.float64)
+        want = {"SUM": stacked.sum(0), "AVG": stacked.mean(0), "PRODUCT": stacked.prod(0), "MIN": stacked.min(0),
+                "MAX": stacked.max(0)}[op]
+        want = torch.from_numpy(want).to(dtype)
     torch.testing.assert_close(torch_hca.reference.reduce_reference(inputs, op), want)
     for t, b in zip(inputs, before):
         assert torch.equal(t, b)

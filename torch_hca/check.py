@@ -7,9 +7,10 @@
 Every collective (all_reduce with each reduction, broadcast, reduce, all_gather, gather, scatter,
 reduce_scatter, all_to_all, send/recv, barrier), every dtype and every algorithm (hierarchical_copy
 with one pack and with a pack per rank, reduce_to_one_device, nccl pass-through), each result
-compared on every element with a float64 reference built from every rank's seeded input, without
-hca. It prints the hierarchy hca found, the plan `explain` gives for a 1 MiB all_reduce, and a
-verdict; every check's line goes to a log, the counts to a JSON file. Exit status 1 on any failure.
+compared on every element with a reference (float64; BAND, BOR, BXOR in the dtype) built from every
+rank's seeded input, without hca. It prints the hierarchy hca found, the plan `explain` gives for a
+1 MiB all_reduce, and a verdict; every check's line goes to a log, the counts to a JSON file. Exit
+status 1 on any failure.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from .bench import call, int_list_arg, stock_refusal
 from .options import Options
 from .ranks import launched_by_torchrun, rank_device, run_on_ranks
-from .reference import (DTYPES, OPS as REDOPS, collective_reference, make_input, mismatch,
+from .reference import (BITWISE, DTYPES, OPS as REDOPS, collective_reference, make_input, mismatch,
                         reduce_reference, supported)
 
 SMALL_NUMELS = (1, 1001)
@@ -46,14 +47,16 @@ def modes(world):
             ("nccl pass-through", Options("nccl", num_packs=2))]
 
 
-def cases(world):
-    """(op, dtype, numel, redop) of every check on one group."""
+def cases(world, bitwise=True):
+    """(op, dtype, numel, redop) of every check on one group (`bitwise`: with BAND, BOR and BXOR,
+    which NCCL lacks)."""
     out = []
     for dtype in DTYPES:
         numels = SMALL_NUMELS + ((LARGE_NUMEL,) if dtype in (torch.float32, torch.bfloat16) else ())
         for numel in numels:
             out += [("all_reduce", dtype, numel, redop) for redop in REDOPS
-                    if supported(dtype, redop) and (redop == "SUM" or numel != LARGE_NUMEL)]
+                    if supported(dtype, redop) and (redop == "SUM" or numel != LARGE_NUMEL)
+                    and (bitwise or redop not in BITWISE)]
             out += [(op, dtype, numel, "SUM") for op in ("broadcast", "reduce", "all_gather", "gather", "scatter",
                                                         "reduce_scatter", "all_to_all", "send_recv")
                     if op != "send_recv" or world > 1]
@@ -102,11 +105,11 @@ def one_check(op, group, dev, dtype, numel, redop, seed):
     return mismatch(name, out, input_of(frm), world)
 
 
-def run_checks(group, dev, world):
+def run_checks(group, dev, world, bitwise=True):
     """Every case on `group`: [(name, failure or None)] of this rank. Stops at the first exception
     (the ranks no longer agree on which call comes next), recording it."""
     results = []
-    for seed, (op, dtype, numel, redop) in enumerate(cases(world)):
+    for seed, (op, dtype, numel, redop) in enumerate(cases(world, bitwise)):
         name = f"{op} {str(dtype)[6:]} {numel} {redop if op in ('all_reduce', 'reduce', 'reduce_scatter') else ''}".strip()
         try:
             results.append((name, one_check(op, group, dev, dtype, numel, redop, seed)))
@@ -131,7 +134,8 @@ def world_report(args):
             report["modes"][label] = dict(checks=[], failures={}, incomplete=False, skipped=refusal)
             continue
         group = dist.new_group(backend="hca", pg_options=options, timeout=datetime.timedelta(seconds=args.timeout))
-        results = run_checks(group, dev, world)
+        # CUDA tensors under the pass-through go to NCCL, which has no bitwise reductions.
+        results = run_checks(group, dev, world, bitwise=not (options.algorithm == "nccl" and dev.type == "cuda"))
         if label == "hierarchical_copy":
             found = torch_hca.hierarchy(group)
             report["hierarchy"] = str(found["cuda" if dev.type == "cuda" else "cpu"])

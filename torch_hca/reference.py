@@ -19,7 +19,10 @@ MOVED_ONLY = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, tor
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
-       "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
+       "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX, "BAND": dist.ReduceOp.BAND, "BOR": dist.ReduceOp.BOR,
+       "BXOR": dist.ReduceOp.BXOR}
+# Integer and bool dtypes only (as gloo has them; NCCL has none): computed in the dtype itself.
+BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
 
 
 def rank_device(device, rank):
@@ -32,6 +35,8 @@ def rank_device(device, rank):
 
 
 def supported(dtype, op):
+    if op in BITWISE:
+        return dtype not in FLOATS
     return op != "AVG" or dtype in FLOATS
 
 
@@ -43,6 +48,10 @@ def make_input(case, rank, numel, dtype, op):
         return torch.randint(0, 256, (numel,), generator=g, dtype=torch.uint8).view(dtype)
     if dtype == torch.bool:
         return torch.randint(0, 2, (numel,), generator=g).bool()
+    if op in BITWISE:  # values over the whole range of the dtype, so that every bit takes part
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, (numel,), generator=g, dtype=torch.int64 if info.bits == 64 else
+                             torch.int32).to(dtype)
     if dtype in FLOATS:
         if op == "PRODUCT":
             x = torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
@@ -55,7 +64,13 @@ def make_input(case, rank, numel, dtype, op):
 
 def reduce_reference(inputs, op):
     """float64 reduction of the ranks' inputs (any iterable), cast back to their dtype; one
-    rank's input at a time, so that large references take two float64 copies, not world."""
+    rank's input at a time, so that large references take two float64 copies, not world.
+    Bitwise ops reduce in the inputs' own dtype (float64 holds no int64 exactly)."""
+    if op in BITWISE:
+        acc = None
+        for t in inputs:
+            acc = t.clone() if acc is None else BITWISE[op](acc, t)
+        return acc
     acc, count, dtype = None, 0, None
     for t in inputs:
         x, dtype, count = t.to(torch.float64), t.dtype, count + 1

@@ -40,8 +40,22 @@ const char* op_name(ReduceOp op) {
     case ReduceOp::Product: return "PRODUCT";
     case ReduceOp::Min: return "MIN";
     case ReduceOp::Max: return "MAX";
+    case ReduceOp::BitAnd: return "BAND";
+    case ReduceOp::BitOr: return "BOR";
+    case ReduceOp::BitXor: return "BXOR";
   }
   return "?";
+}
+
+bool is_bitwise(ReduceOp op) { return op == ReduceOp::BitAnd || op == ReduceOp::BitOr || op == ReduceOp::BitXor; }
+
+ReduceOp bool_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: case ReduceOp::Avg: case ReduceOp::Max: case ReduceOp::BitOr: return ReduceOp::Max;
+    case ReduceOp::Product: case ReduceOp::Min: case ReduceOp::BitAnd: return ReduceOp::Min;
+    case ReduceOp::BitXor: return ReduceOp::BitXor;
+  }
+  throw std::logic_error("unknown reduce op");
 }
 
 const char* algorithm_name(Algorithm algorithm) {

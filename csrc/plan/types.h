@@ -9,7 +9,8 @@
 namespace hca {
 
 enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool };
-enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max };
+// BitAnd, BitOr, BitXor (c10d's BAND, BOR, BXOR): integer and bool dtypes only.
+enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max, BitAnd, BitOr, BitXor };
 // The schedules the plan knows (`nccl` is a wrapper backend, not a schedule).
 // Direct: every rank reads what it needs from every peer in one step (an
 // all-reduce in which each rank sums all staged inputs; a reduce into the
@@ -21,6 +22,10 @@ size_t element_size(DType dtype);
 bool is_floating(DType dtype);
 const char* dtype_name(DType dtype);
 const char* op_name(ReduceOp op);
+bool is_bitwise(ReduceOp op);  // BAND, BOR, BXOR
+// The op on bool's 0/1 bytes that gives `op` of bools: SUM, AVG, MAX and BOR
+// are OR (MAX), PRODUCT, MIN and BAND are AND (MIN), BXOR stays.
+ReduceOp bool_op(ReduceOp op);
 const char* algorithm_name(Algorithm algorithm);
 // Throws std::invalid_argument naming the option for an unknown name.
 Algorithm parse_algorithm(const std::string& name);

@@ -68,9 +68,25 @@ DType plan_dtype(at::ScalarType type, const char* op) {
   }
 }
 
-void check_averaged(DType dtype, const char* op) {
-  TORCH_CHECK_VALUE(is_floating(dtype), "hca ", op, ": ReduceOp.AVG is not supported for ", dtype_name(dtype),
-                    " (floating dtypes only)");
+std::optional<ReduceOp> plan_op(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return ReduceOp::Sum;
+    case c10d::ReduceOp::AVG: return ReduceOp::Avg;
+    case c10d::ReduceOp::PRODUCT: return ReduceOp::Product;
+    case c10d::ReduceOp::MIN: return ReduceOp::Min;
+    case c10d::ReduceOp::MAX: return ReduceOp::Max;
+    case c10d::ReduceOp::BAND: return ReduceOp::BitAnd;
+    case c10d::ReduceOp::BOR: return ReduceOp::BitOr;
+    case c10d::ReduceOp::BXOR: return ReduceOp::BitXor;
+    default: return std::nullopt;
+  }
+}
+
+void check_reducible(DType dtype, ReduceOp op, const char* name) {
+  TORCH_CHECK_VALUE(op != ReduceOp::Avg || is_floating(dtype), "hca ", name, ": ReduceOp.AVG is not supported for ",
+                    dtype_name(dtype), " (floating dtypes only)");
+  TORCH_CHECK_VALUE(!is_bitwise(op) || !is_floating(dtype), "hca ", name, ": ReduceOp.", op_name(op),
+                    " is not supported for ", dtype_name(dtype), " (integer and bool dtypes only)");
 }
 
 void check_nonempty(size_t count, const char* what, const char* op) {
@@ -146,21 +162,13 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
     scaled_ = *scaled;
     return ReduceOp::Sum;
   }
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM: return ReduceOp::Sum;
-    case c10d::ReduceOp::PRODUCT: return ReduceOp::Product;
-    case c10d::ReduceOp::MIN: return ReduceOp::Min;
-    case c10d::ReduceOp::MAX: return ReduceOp::Max;
-    case c10d::ReduceOp::AVG:
-      for (const auto& d : descs_) check_averaged(d.dtype, name_);
-      return ReduceOp::Avg;
-    default: {
-      const auto index = static_cast<size_t>(op.op_);
-      TORCH_CHECK_VALUE(false, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
-                        " is not supported (SUM, AVG, PRODUCT, MIN, MAX; PREMUL_SUM in all_reduce and "
-                        "reduce_scatter on one node)");
-    }
-  }
+  const auto plan = plan_op(op);
+  const auto index = static_cast<size_t>(op.op_);
+  TORCH_CHECK_VALUE(plan, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
+                    " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR; PREMUL_SUM in all_reduce and "
+                    "reduce_scatter on one node)");
+  for (const auto& d : descs_) check_reducible(d.dtype, *plan, name_);
+  return *plan;
 }
 
 PremulFactor PremulFactor::of(const c10d::ReduceOp& op, const char* name, const at::Device& device) {

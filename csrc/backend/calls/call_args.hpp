@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,8 +92,12 @@ class CallArgs {
 bool moved_as_bytes(at::ScalarType type);
 // The plan's element type for a dtype hca reduces, or a TypeError naming it.
 DType plan_dtype(at::ScalarType type, const char* op);
-// ValueError for ReduceOp.AVG on a dtype that is not floating.
-void check_averaged(DType dtype, const char* op);
+// The plan's op for c10d's SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR; none
+// for the others (PREMUL_SUM, which callers handle, and UNUSED).
+std::optional<ReduceOp> plan_op(const c10d::ReduceOp& op);
+// ValueError where `op` does not reduce `dtype`: AVG needs a floating dtype,
+// BAND, BOR and BXOR an integer or bool one (as gloo has them).
+void check_reducible(DType dtype, ReduceOp op, const char* name);
 void check_nonempty(size_t count, const char* what, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);

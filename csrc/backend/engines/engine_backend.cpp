@@ -25,11 +25,19 @@ std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<
   return viewed;
 }
 
-void check_gloo_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
+void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
+  const auto plan = plan_op(reduce_op);
+  const bool bitwise = plan && is_bitwise(*plan);
   for (const auto& t : tensors) {
-    if (!t.defined() || !t.is_cpu()) continue;
+    if (!t.defined()) continue;
+    if (t.is_cuda()) {
+      TORCH_CHECK_VALUE(!bitwise, "hca ", op, ": ReduceOp.", op_name(*plan), " of CUDA tensors is not supported with "
+                        "algorithm=\"nccl\" or between nodes, where NCCL (which has no bitwise reductions) may "
+                        "carry them; hca's own algorithms on one node take them");
+      continue;
+    }
     const DType dtype = plan_dtype(t.scalar_type(), op);  // gloo reduces what hca's plans do
-    if (reduce_op == c10d::ReduceOp::AVG) check_averaged(dtype, op);
+    if (plan) check_reducible(dtype, *plan, op);
   }
 }
 

@@ -25,11 +25,13 @@ at::Tensor engine_bytes(const at::Tensor& tensor, const char* op);
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op);
 std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op);
 
-// Before a reduction of CPU tensors reaches gloo, hca's own errors: a TypeError
-// for a dtype gloo cannot reduce (float8, int16, ...), a ValueError for AVG on
-// integers (gloo sums, then fails to divide, and leaves the sums in the
-// tensors). CUDA tensors reach NCCL under its own rules.
-void check_gloo_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op);
+// Before a reduction reaches a stock engine, hca's own errors. CPU tensors (to
+// gloo): a TypeError for a dtype gloo cannot reduce (float8, int16, ...), a
+// ValueError for AVG on integers (gloo sums, then fails to divide, and leaves
+// the sums in the tensors) and for BAND, BOR, BXOR on floating dtypes. CUDA
+// tensors (to NCCL, or between nodes to either engine, alike on every rank): a
+// ValueError for BAND, BOR, BXOR, which NCCL lacks; the rest under NCCL's rules.
+void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op);
 
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);

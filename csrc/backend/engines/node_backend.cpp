@@ -182,6 +182,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);
+  check_engine_reduction(tensors, opts.reduceOp, "allreduce");
   check_device(args.device(), "allreduce");
   auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
@@ -229,6 +230,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
   check_rank(opts.rootRank, getSize(), "dst", "reduce");
   CallArgs args("reduce", tensors);
   args.reduce_op(opts.reduceOp);
+  check_engine_reduction(tensors, opts.reduceOp, "reduce");
   check_device(args.device(), "reduce");
   auto body = [this, args, dst = static_cast<int>(opts.rootRank), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
@@ -385,6 +387,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
                                                                             const c10d::ReduceScatterOptions& opts) {
   CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
   args.reduce_op(opts.reduceOp);
+  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
   const size_t n = outputs.size();
   check_device(args.device(), "reduce_scatter_tensor");
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {

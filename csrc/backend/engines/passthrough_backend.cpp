@@ -37,6 +37,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   const auto scale = post_scale(opts.reduceOp, tensors, "allreduce");
   // The same ops as the other algorithms; PREMUL_SUM is the engine's (NCCL) or post_scale's (gloo).
   if (opts.reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) args.reduce_op(opts.reduceOp);
+  check_engine_reduction(tensors, opts.reduceOp, "allreduce");
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
   settle_post_step();  // the packs reach the engine here, before issue
   auto packed = std::make_shared<nccl::PackedAllreduce>(
@@ -89,7 +90,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
-  check_gloo_reduction(tensors, opts.reduceOp, "reduce");
+  check_engine_reduction(tensors, opts.reduceOp, "reduce");
   return issue({"reduce", tensors, tensors}, opts.asyncOp,
                 [&] { return engine(tensors[0], "reduce").reduce(tensors, opts); });
 }
@@ -131,8 +132,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                                                                   const c10d::ReduceScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "reduce_scatter");
   const auto flat_inputs = flattened(inputs);
-  check_gloo_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
-  check_gloo_reduction(outputs, opts.reduceOp, "reduce_scatter");
+  check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
+  check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
   return issue({"reduce_scatter", flat_inputs, outputs}, opts.asyncOp, [&] {
     return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, summing(opts, scale)),
@@ -142,7 +143,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  check_gloo_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
+  check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
   return issue({"_reduce_scatter_base", {input}, {output}}, opts.asyncOp, [&] {
     return scaled_after(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, summing(opts, scale)),
@@ -153,8 +154,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  check_gloo_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
-  check_gloo_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
+  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
+  check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
   return issue({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
     return scaled_after(engine(inputs[0], "reduce_scatter_tensor")

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <type_traits>
 
 #include "check.h"
 #include "data_kernels.h"
@@ -60,6 +62,9 @@ struct Add { template <class A> __device__ static A apply(A a, A b) { return a +
 struct Mul { template <class A> __device__ static A apply(A a, A b) { return a * b; } };
 struct Min { template <class A> __device__ static A apply(A a, A b) { return b < a ? b : a; } };
 struct Max { template <class A> __device__ static A apply(A a, A b) { return a < b ? b : a; } };
+struct BitAnd { template <class A> __device__ static A apply(A a, A b) { return a & b; } };
+struct BitOr { template <class A> __device__ static A apply(A a, A b) { return a | b; } };
+struct BitXor { template <class A> __device__ static A apply(A a, A b) { return a ^ b; } };
 
 // Unit: the widest both pointers share (aligned_span.h).
 template <class Unit>
@@ -117,6 +122,13 @@ void reduce_typed(cudaStream_t stream, ReleaseWords released, ReduceOp op, void*
     case ReduceOp::Product: return launch_reduce<T, Mul>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
     case ReduceOp::Min: return launch_reduce<T, Min>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
     case ReduceOp::Max: return launch_reduce<T, Max>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
+    case ReduceOp::BitAnd: case ReduceOp::BitOr: case ReduceOp::BitXor:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::BitAnd) return launch_reduce<T, BitAnd>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
+        if (op == ReduceOp::BitOr) return launch_reduce<T, BitOr>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
+        return launch_reduce<T, BitXor>(stream, released, dst, first, srcs, nsrc, n, out, divisor);
+      }
+      throw std::logic_error("bitwise reduction of a floating dtype");  // the call's checks refuse it first
   }
 }
 
@@ -161,11 +173,8 @@ void reduce_async(cudaStream_t stream, ReleaseWords released, DType dtype, Reduc
     case DType::U8: return reduce_typed<uint8_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
     case DType::I32: return reduce_typed<int32_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
     case DType::I64: return reduce_typed<int64_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
-    case DType::Bool: {
-      const bool any = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Max;
-      return reduce_typed<uint8_t>(stream, released, any ? ReduceOp::Max : ReduceOp::Min, dst, first, srcs, nsrc, n,
-                                   out, divisor);
-    }
+    case DType::Bool:
+      return reduce_typed<uint8_t>(stream, released, bool_op(op), dst, first, srcs, nsrc, n, out, divisor);
   }
 }
 

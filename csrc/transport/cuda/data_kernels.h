@@ -1,10 +1,10 @@
 // Copies and reductions on a stream, with the host kernels' semantics: fp16/bf16
 // are accumulated in float32 and rounded once; AVG divides before that rounding;
-// bool SUM/MAX are OR, PRODUCT/MIN AND. Each does nothing if any of the group's
-// failure words (host memory mapped for the GPU) is non-zero when it starts: a
-// failing rank releases every rank's waits, and a dead peer's IPC-mapped
-// staging may be gone, which touching would fault the whole context. So copies
-// are kernels too, not cudaMemcpyAsync.
+// bools as bool_op (types.h) says; BAND, BOR, BXOR of integer dtypes only. Each
+// does nothing if any of the group's failure words (host memory mapped for the
+// GPU) is non-zero when it starts: a failing rank releases every rank's waits,
+// and a dead peer's IPC-mapped staging may be gone, which touching would fault
+// the whole context. So copies are kernels too, not cudaMemcpyAsync.
 #pragma once
 #include <cuda_runtime_api.h>
 

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <type_traits>
 
 namespace hca::shm {
 namespace {
@@ -81,6 +83,9 @@ struct Add { template <class A> static A apply(A a, A b) { return a + b; } };
 struct Mul { template <class A> static A apply(A a, A b) { return a * b; } };
 struct Min { template <class A> static A apply(A a, A b) { return b < a ? b : a; } };
 struct Max { template <class A> static A apply(A a, A b) { return a < b ? b : a; } };
+struct BitAnd { template <class A> static A apply(A a, A b) { return a & b; } };
+struct BitOr { template <class A> static A apply(A a, A b) { return a | b; } };
+struct BitXor { template <class A> static A apply(A a, A b) { return a ^ b; } };
 
 // Blocks keep the accumulator in registers/L1 and let the compiler vectorize.
 constexpr size_t kBlock = 1024;
@@ -127,6 +132,13 @@ void reduce_op(ReduceOp op, const Operands& o) {
     case ReduceOp::Product: return reduce_typed<T, Mul>(o);
     case ReduceOp::Min: return reduce_typed<T, Min>(o);
     case ReduceOp::Max: return reduce_typed<T, Max>(o);
+    case ReduceOp::BitAnd: case ReduceOp::BitOr: case ReduceOp::BitXor:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == ReduceOp::BitAnd) return reduce_typed<T, BitAnd>(o);
+        if (op == ReduceOp::BitOr) return reduce_typed<T, BitOr>(o);
+        return reduce_typed<T, BitXor>(o);
+      }
+      throw std::logic_error("bitwise reduction of a floating dtype");  // the call's checks refuse it first
   }
 }
 
@@ -144,10 +156,7 @@ void reduce_into(DType dtype, ReduceOp op, void* dst, const void* first, const v
     case DType::U8: return reduce_op<uint8_t>(op, o);
     case DType::I32: return reduce_op<int32_t>(op, o);
     case DType::I64: return reduce_op<int64_t>(op, o);
-    case DType::Bool: {
-      const bool any = op == ReduceOp::Sum || op == ReduceOp::Avg || op == ReduceOp::Max;
-      return reduce_op<uint8_t>(any ? ReduceOp::Max : ReduceOp::Min, o);
-    }
+    case DType::Bool: return reduce_op<uint8_t>(bool_op(op), o);
   }
 }
 
