@@ -19,7 +19,7 @@ def _allreduce_cases(rank, world, group, label, dtypes, ops, sizes, first_case, 
     errors, case = [], first_case
     for dtype in dtypes:
         for op in ops:
-            # Between nodes, CUDA tensors are refused the bitwise ops NCCL lacks (test_nodes checks that).
+            # Between nodes, CUDA tensors are refused the bitwise ops NCCL lacks (a ValueError before any move).
             if not supported(dtype, op) or (dev.type == "cuda" and op in BITWISE):
                 continue
             for numel in sizes:
