@@ -8,6 +8,7 @@ autograd differentiates. Each runs in one launch per backend; every rank's resul
 with gloo's, and each case checks that it moved the parameters, so that a case which communicated
 nothing would fail.
 """
+import functools
 import os
 
 import numpy as np
@@ -118,30 +119,18 @@ def _model_averaging(rank, world):
 
 
 def _fsdp1(rank, world, strategy, use_orig_params):
-    """FSDP1 with a unit per layer; the trained model is read back through its full state dict,
-    which all-gathers every unit's shards."""
+    """FSDP1 with a unit per layer, sharded by `strategy` (a ShardingStrategy's name); the trained
+    model is read back through its full state dict, which all-gathers every unit's shards."""
     from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    model = FSDP(_mlp(), sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=use_orig_params,
-                 auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
+    model = FSDP(_mlp(), sharding_strategy=ShardingStrategy[strategy], device_id=torch.device("cpu"),
+                 use_orig_params=use_orig_params, auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}))
     _train(model, _batch, 4, rank)
     # offload_to_cpu=True breaks FSDP1 on CPU parameters under any backend (torch 2.13: setStorage out of bounds)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False)):
         return _arrays(model.state_dict().values())
-
-
-def _fsdp1_full_shard(rank, world):
-    from torch.distributed.fsdp import ShardingStrategy
-
-    return _fsdp1(rank, world, ShardingStrategy.FULL_SHARD, use_orig_params=False)
-
-
-def _fsdp1_shard_grad_op(rank, world):
-    from torch.distributed.fsdp import ShardingStrategy
-
-    return _fsdp1(rank, world, ShardingStrategy.SHARD_GRAD_OP, use_orig_params=True)
 
 
 def _checkpoint(rank, world, folder):
@@ -215,7 +204,8 @@ def _autograd_collectives(rank, world):
 CASES = {"unused_parameters": _unused_parameters, "static_graph": _static_graph, "uneven_inputs": _uneven_inputs,
          "zero": _zero, "tensor_parallel": _tensor_parallel, "model_averaging": _model_averaging,
          "compiled_ddp": _compiled_ddp, "autograd_collectives": _autograd_collectives,
-         "fsdp1_full_shard": _fsdp1_full_shard, "fsdp1_shard_grad_op": _fsdp1_shard_grad_op}
+         "fsdp1_full_shard": functools.partial(_fsdp1, strategy="FULL_SHARD", use_orig_params=False),
+         "fsdp1_shard_grad_op": functools.partial(_fsdp1, strategy="SHARD_GRAD_OP", use_orig_params=True)}
 
 
 def _every_case(rank, world, folder):
