@@ -1,6 +1,8 @@
 """Several collectives in flight at once (DDP's buckets, FSDP2's prefetch, async calls waited
 late or never): on the CPU model of the device ("cpu-streams": every stream a thread of its own,
 freed buffers poisoned) these are the CUDA path's check; on "cpu" the shared-memory executor's."""
+import contextlib
+import os
 import threading
 import traceback
 
@@ -74,10 +76,26 @@ def test_mixed_collectives_in_flight_waited_late_or_never(world, device):
     assert run_ranks(_mixed_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
+@contextlib.contextmanager
+def _stream_of_its_own(dev):
+    """The calling thread's device work on a stream of its own, as NCCL asks of threads that drive
+    groups at once. On the default stream, which every thread of a process shares, a thread's
+    wait() and its host copies (`.to(dev)`, `.cpu()`) wait for the other threads' calls too, in
+    whatever order the threads got there on each rank: ranks can wait for each other in a cycle
+    that only the group's timeout ends (a GPU run of this test with one shared stream hung)."""
+    if dev.type == "cuda":
+        with torch.cuda.stream(torch.cuda.Stream(dev)):
+            yield
+    else:
+        if os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams":  # the CPU model of the device
+            torch_hca._C._model.use_side_stream(True)
+        yield
+
+
 def _groups_driven_by_threads(rank, world, device):
     """Background work (DCP's async save, a metrics thread) drives a group of its own from a thread
     beside the training's: four groups (one per algorithm), each driven by a thread of its own at
-    once, every call async and checked."""
+    once, on a stream of its own, every call async and checked."""
     dev = rank_device(device, rank)
     groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
                                    (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
@@ -86,10 +104,11 @@ def _groups_driven_by_threads(rank, world, device):
 
     def drive(k):
         try:
-            for i in range(4):
-                for work, name, t, want in _issue_mixed(rank, world, dev, groups[k], 1000 * k + 30 * i):
-                    work.wait()
-                    errors[k].append(mismatch(f"group {k} round {i}: {name}", t, want, world))
+            with _stream_of_its_own(dev):
+                for i in range(4):
+                    for work, name, t, want in _issue_mixed(rank, world, dev, groups[k], 1000 * k + 30 * i):
+                        work.wait()
+                        errors[k].append(mismatch(f"group {k} round {i}: {name}", t, want, world))
         except Exception:  # noqa: BLE001  a thread's failure goes back to the test
             errors[k].append(f"group {k}: {traceback.format_exc()}")
 
