@@ -467,6 +467,47 @@ def test_split_group_gives_each_rank_its_child(world):
         assert groups == ([g for g in kept if g], "split"), groups  # the parent's halves, kept for its ranks
 
 
+def _as_on_an_accelerator_machine(rank):
+    """torch's route where an accelerator is present, on CPU tensors: there `dist.split_group` and
+    a DeviceMesh of several dimensions split the world group when it has a device (`device_id`)."""
+    torch.accelerator.is_available = lambda: True
+    torch.accelerator.current_accelerator = lambda check_available=False: torch.device("cpu")
+
+
+def _split_by_torch(rank, world):
+    dist.group.WORLD.bound_device_id = torch.device("cpu", 0)  # what init_process_group(device_id=...) sets
+    halves = [list(range((world + 1) // 2)), list(range((world + 1) // 2, world))]
+    mine = halves[rank >= (world + 1) // 2]
+    child = dist.split_group(split_ranks=halves, timeout=timedelta(seconds=45))
+    backend = child._get_backend(torch.device("cpu"))
+    inputs = [make_input(11, r, 1001, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t, group=child)
+    errors = [mismatch("split_group all_reduce", t, reduce_reference([inputs[r] for r in mine], "SUM"), world)]
+    if world % 2 == 0:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=mesh.get_group("tp"))
+        members = [r for r in range(world) if r // (world // 2) == rank // (world // 2)]
+        errors.append(mismatch("2-D mesh tp all_reduce", t, reduce_reference([inputs[r] for r in members], "SUM"), world))
+    return (dist.get_backend(child), child.size(), backend.algorithm, backend.options._timeout,
+            [e for e in errors if e])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dist_split_group_and_a_2d_mesh_where_an_accelerator_is(world):
+    """dist.split_group deep-copies the parent's `options` (torch's options, which torch cannot
+    copy: hca gives a copyable subclass); the children keep the parent's algorithm and get the
+    timeout split_group was given."""
+    results = run_ranks(_split_by_torch, world, pg_options=torch_hca.Options("reduce_to_one_device"),
+                        before_init=_as_on_an_accelerator_machine)
+    for rank, result in enumerate(results):
+        size = (world + 1) // 2 if rank < (world + 1) // 2 else world // 2
+        assert result == ("hca", size, "reduce_to_one_device", timedelta(seconds=45), []), result
+
+
 def test_a_split_keeps_the_parents_groups_for_its_ranks():
     results = run_ranks(_split, 4, "hca", torch_hca.Options(groups=[[0, 3], [1, 2]], num_packs=2))
     assert [r[3] for r in results] == [[]] * 4

@@ -7,6 +7,7 @@ import socket
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 
 from . import _C, costs, topology
 from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
@@ -217,6 +218,25 @@ def _engines(dist_backend_opts, store):
     return _gloo(store, rank, size, timeout), cuda
 
 
+class SplitOptions(C10dBackend.Options):
+    """A group's `options`, as `dist.split_group` reads them (and through it a DeviceMesh of
+    several dimensions where an accelerator is present and the group has a device, `device_id`):
+    torch's backend options (name, timeout) deep-copied for the children, which torch's own type
+    cannot be. hca's own options (algorithm, packing, hierarchy) go to the children in the split."""
+
+    def __deepcopy__(self, memo):
+        copied = SplitOptions(self.backend, self._timeout)
+        copied.group_name = self.group_name
+        copied.global_ranks_in_group = list(self.global_ranks_in_group)
+        return copied
+
+
+def _split_options(backend):
+    theirs = backend._backend_options()
+    return SplitOptions(theirs.backend, theirs._timeout)
+
+
 def register():
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])
+    _C.ProcessGroupHCA.options = property(_split_options)

@@ -245,6 +245,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cuda_tables_sharing_one_gpu") = std::map<int, ChoiceRows>{},
            py::call_guard<py::gil_scoped_release>())
       .def_static("self_test_wanted", &ProcessGroupHCA::self_test_wanted)
+      // torch's Options (name, timeout), which Python cannot copy: torch_hca.backend wraps it as `options`.
+      .def("_backend_options", &ProcessGroupHCA::getBackendOptions)
       .def_property_readonly("algorithm",
                              [](const ProcessGroupHCA& pg) -> std::string {
                                return pg.options().by_size.empty() ? algorithm_name(pg.options().algorithm)
