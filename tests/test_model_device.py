@@ -4,6 +4,7 @@ devices, peers' memory that goes with them, faults. A rank here stands on device
 `world` model devices and never sets a current device, as a script that only moves its tensors
 to cuda:rank does; every test fails where the code ignores one of CUDA's rules."""
 import os
+import re
 import signal
 import threading
 import time
@@ -561,3 +562,29 @@ def test_a_barrier_after_a_device_fault_raises_it_as_a_backend_error():
         kind, message = raised
         assert kind == "DistBackendError", (rank, kind, message)
     assert "TORCH_HCA_MODEL_FAULT_AT" in results[1][1] or "fault" in results[1][1].lower(), results[1][1]
+
+
+def _behind_a_busy_callers_stream(rank, world):
+    """Rank 0's caller stream runs a 4 s kernel before its all-reduce, under a 1.5 s timeout; the
+    peers call 0.5 s later, so that rank 0's deadline comes first."""
+    dist.all_reduce(torch.ones(4))  # the group's set-up and self-test, before the short deadline matters
+    t = torch.zeros(50_000)
+    if rank == 0:
+        model.enqueue_copy(t, torch.ones(50_000), 4000)
+    else:
+        time.sleep(0.5)
+    return _raised_and_seconds(lambda: dist.all_reduce(t))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_whose_stream_never_began_names_its_own_rank(world):
+    """Rank 0's stream never begins the call (it follows the caller's stream, still busy): each
+    rank's timeout names rank 0, whose peers wait for it, never one of those peers."""
+    results = run_ranks(_behind_a_busy_callers_stream, world, env=STREAMS_ENV, pg_timeout_s=1.5)
+    own, _ = results[0]
+    assert own and "rank 0's stream had not begun the collective" in own, own
+    for rank, (raised, seconds) in enumerate(results):
+        assert raised and re.search(r"waiting for rank 0 |rank 0's stream had not begun", raised), (rank, raised)
+        assert not re.search(r"waiting for rank [1-9]", raised), (rank, raised)
+        # The peers within the timeout; rank 0's host follows its stream here, kernel included.
+        assert rank == 0 or seconds < 3.5, (rank, seconds)

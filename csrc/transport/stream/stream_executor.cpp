@@ -86,13 +86,14 @@ class StreamExecutor final : public Executor {
         throw Failure(FailureKind::Setup, ctx.operation, -1, "CUDA graph capture is not supported by hca yet");
       }
       medium_->set_stream(collective.stream);
+      const DeviceRuntime::Event began = recorded(collective.stream);
       try {
         runner_->run(collective, ctx);
       } catch (...) {
-        track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited());
+        track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began);
         throw;
       }
-      track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited());
+      track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began);
     } catch (const Failure& failure) {
       if (!lock.owns_lock()) lock.lock();
       fail(failure);
@@ -132,23 +133,37 @@ class StreamExecutor final : public Executor {
     std::shared_ptr<Issued> issued;
     std::shared_ptr<const void> keep;
     std::vector<uint32_t> awaited;  // what its waits expect of each peer's word; empty for a call's end
+    DeviceRuntime::Event began = nullptr;  // where the stream begins the collective; null for a call's end
   };
+
+  // An event recorded on `stream` now.
+  DeviceRuntime::Event recorded(void* stream) {
+    DeviceRuntime& runtime = device_->runtime();
+    DeviceRuntime::Event event = runtime.create_event();
+    try {
+      runtime.record(event, stream);
+    } catch (...) {
+      runtime.destroy_event(event);
+      throw;
+    }
+    return event;
+  }
 
   // Watches what was issued on `stream` so far, keeping `keep` alive until the
   // stream has passed it. After a failure it is released at once: the streams
   // pass their poisoned waits, and nothing confirms that it finished.
+  // `began` (owned from here on): where the stream begins a collective, null for a call's end.
   void track(std::unique_lock<std::mutex>& lock, void* stream, const WaitContext& ctx, std::shared_ptr<Issued> issued,
-             std::shared_ptr<const void> keep, std::vector<uint32_t> awaited) {
-    DeviceRuntime& runtime = device_->runtime();
-    DeviceRuntime::Event done = runtime.create_event();
+             std::shared_ptr<const void> keep, std::vector<uint32_t> awaited, DeviceRuntime::Event began = nullptr) {
+    DeviceRuntime::Event done;
     try {
-      runtime.record(done, stream);
+      done = recorded(stream);
     } catch (...) {
-      runtime.destroy_event(done);
+      if (began) device_->runtime().destroy_event(began);
       throw;
     }
     lock.lock();
-    pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited)});
+    pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited), began});
     if (failed_) {
       if (issued) issued->release(failure_->what());
       throw *failure_;
@@ -257,13 +272,15 @@ class StreamExecutor final : public Executor {
       if (!failed_ && p.awaited.empty() && p.issued) p.issued->settle();
     }
     device_->runtime().destroy_event(p.done);
+    if (p.began) device_->runtime().destroy_event(p.began);
     std::shared_ptr<const void> kept = std::move(p.keep);
     pending_.pop_front();
     return kept;
   }
 
   // Throws what keeps `oldest` from finishing: a dead or failed peer, or its
-  // deadline. Then it blames, of the peers whose words are behind what its waits
+  // deadline. Then it blames this rank if its stream never began the collective
+  // (its peers then wait for it), else, of the peers whose words are behind what its waits
   // expect, the one furthest behind: peers blocked by a stuck rank get as far as
   // they can without it, so the stuck rank is the one that progressed least.
   void check_peers(const Pending& oldest) const {
@@ -281,6 +298,14 @@ class StreamExecutor final : public Executor {
       }
     }
     if (Clock::now() <= oldest.ctx.deadline) return;
+    if (oldest.began && !device_->runtime().query(oldest.began)) {
+      throw Failure(FailureKind::Timeout, oldest.ctx.operation, -1,
+                    "Timed out after " + std::to_string(oldest.ctx.timeout.count()) + " ms: rank " +
+                        std::to_string(control_.rank()) +
+                        "'s stream had not begun the collective, which waits for the caller's current stream to "
+                        "reach the call (a kernel still running there, or another group's call waited for on it, "
+                        "as when threads that drive groups of their own share the default stream)");
+    }
     int behind = -1;
     uint32_t least = 0;
     for (int peer = 0; peer < control_.world(); ++peer) {
