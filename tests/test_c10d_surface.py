@@ -475,15 +475,27 @@ def _as_on_an_accelerator_machine(rank):
 
 
 def _split_by_torch(rank, world):
-    dist.group.WORLD.bound_device_id = torch.device("cpu", 0)  # what init_process_group(device_id=...) sets
+    # What init_process_group(device_id=...) sets (its eager connect is a no-op for hca); the
+    # tensors stay on the CPU.
+    dist.group.WORLD.bound_device_id = torch.device("cuda", 0)
+    inputs = [make_input(11, r, 1001, torch.float32, "SUM") for r in range(world)]
+    errors = []
+    # new_group asks the ranks it leaves out to take part in a split, as NCCL's needs; those
+    # ranks then know one group fewer, which dist.split_group hashes into its children's names.
+    pair = dist.new_group(ranks=[0, world - 1])
+    if rank in (0, world - 1):
+        t = inputs[rank].clone()
+        dist.all_reduce(t, group=pair)
+        errors.append(mismatch("new_group all_reduce", t, reduce_reference([inputs[0], inputs[world - 1]], "SUM"), world))
+    elif pair is not dist.GroupMember.NON_GROUP_MEMBER:
+        errors.append(f"rank {rank} is in the pair")
     halves = [list(range((world + 1) // 2)), list(range((world + 1) // 2, world))]
     mine = halves[rank >= (world + 1) // 2]
     child = dist.split_group(split_ranks=halves, timeout=timedelta(seconds=45))
     backend = child._get_backend(torch.device("cpu"))
-    inputs = [make_input(11, r, 1001, torch.float32, "SUM") for r in range(world)]
     t = inputs[rank].clone()
     dist.all_reduce(t, group=child)
-    errors = [mismatch("split_group all_reduce", t, reduce_reference([inputs[r] for r in mine], "SUM"), world)]
+    errors.append(mismatch("split_group all_reduce", t, reduce_reference([inputs[r] for r in mine], "SUM"), world))
     if world % 2 == 0:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -497,10 +509,13 @@ def _split_by_torch(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_dist_split_group_and_a_2d_mesh_where_an_accelerator_is(world):
-    """dist.split_group deep-copies the parent's `options` (torch's options, which torch cannot
-    copy: hca gives a copyable subclass); the children keep the parent's algorithm and get the
-    timeout split_group was given."""
+def test_split_group_new_group_and_a_2d_mesh_on_a_world_group_with_a_device(world):
+    """torch's route where an accelerator is present and init_process_group had a `device_id`:
+    new_group asks the ranks it leaves out for a split of their own; dist.split_group deep-copies
+    the parent's `options` (torch's options, which torch cannot copy: hca gives a copyable
+    subclass) and names each child's store differently on ranks that know different numbers of
+    groups (hca's children meet on the parent's store). The children keep the parent's
+    algorithm and get the timeout split_group was given."""
     results = run_ranks(_split_by_torch, world, pg_options=torch_hca.Options("reduce_to_one_device"),
                         before_init=_as_on_an_accelerator_machine)
     for rank, result in enumerate(results):

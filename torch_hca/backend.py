@@ -236,7 +236,15 @@ def _split_options(backend):
     return SplitOptions(theirs.backend, theirs._timeout)
 
 
+def _no_part_in_a_split(backend, device):
+    """torch's new_group asks this of the ranks left out of a new group when the world group has a
+    device (`device_id`), as NCCL's communicator split needs every rank of the parent. An hca group
+    meets through the store among its own ranks: the others have nothing to do."""
+
+
 def register():
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=["cpu", "cuda"])
+    # What torch's Python asks of a backend that supports splitting (ProcessGroupNCCL's API).
     _C.ProcessGroupHCA.options = property(_split_options)
+    _C.ProcessGroupHCA.perform_nocolor_split = _no_part_in_a_split

@@ -149,7 +149,7 @@ c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupHCA::getBackendOptions() 
   return c10::make_intrusive<Options>(getBackendName(), timeout_.load());
 }
 
-c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_ptr<c10d::Store>& store,
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_ptr<c10d::Store>& /*store*/,
                                                          const std::vector<int>& ranks,
                                                          const c10::intrusive_ptr<Options>& opts) {
   life_.enter("split");
@@ -160,7 +160,15 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHCA::split(const c10::intrusive_pt
   std::sort(sorted.begin(), sorted.end());
   if (!std::binary_search(sorted.begin(), sorted.end(), getRank())) return nullptr;
   for (int r : sorted) check_rank(r, getSize(), "ranks", "split");
-  auto group = child(store, sorted, opts ? opts->timeout : timeout_.load(), "split");
+  // Not on `store`: torch names it after the child's group name, which dist.split_group hashes
+  // with how many groups the rank knows (a rank left out of an earlier new_group knows fewer), so
+  // ranks of one child may get different stores. The child meets on this group's store instead,
+  // under its ranks and how many times this group split them off, which its ranks count alike.
+  std::string key = "hca_split/";
+  for (int r : sorted) key += std::to_string(r) + ",";
+  key += "/" + std::to_string(++splits_[sorted]) + "/";
+  auto group = child(c10::make_intrusive<c10d::PrefixStore>(key, store_), sorted,
+                     opts ? opts->timeout : timeout_.load(), "split");
   last_split_name_ = opts ? opts->group_name : "";
   last_split_ = c10::weak_intrusive_ptr<c10d::Backend>(group);
   return group;

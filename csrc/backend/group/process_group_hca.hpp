@@ -63,8 +63,8 @@ class ProcessGroupHCA : public c10d::Backend {
 
   const std::string getBackendName() const override { return "hca"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
-  // ProcessGroup::splitGroup: a child over `ranks` (of this group) on `store`, with this
-  // group's options, staging sizes and executor, its groups those of this group restricted
+  // ProcessGroup::splitGroup: a child over `ranks` (of this group), meeting on this group's
+  // store (not the one torch names, see split), with this group's options, staging sizes and executor, its groups those of this group restricted
   // to the child's ranks; nullptr on a rank outside `ranks`.
   bool supportsSplitting() const override { return true; }
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
@@ -307,6 +307,7 @@ class ProcessGroupHCA : public c10d::Backend {
   std::string last_split_name_;
   c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
   int shrinks_ = 0;  // the children shrink made, which name their keys on the store
+  std::map<std::vector<int>, int> splits_;  // the children split off, by their ranks: their keys on the store
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
   std::atomic<uint32_t> failure_at_end_{0};  // this rank's FailureKind when the group ended
