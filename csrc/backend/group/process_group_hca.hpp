@@ -64,8 +64,9 @@ class ProcessGroupHCA : public c10d::Backend {
   const std::string getBackendName() const override { return "hca"; }
   c10::intrusive_ptr<Options> getBackendOptions() override;
   // ProcessGroup::splitGroup: a child over `ranks` (of this group), meeting on this group's
-  // store (not the one torch names, see split), with this group's options, staging sizes and executor, its groups those of this group restricted
-  // to the child's ranks; nullptr on a rank outside `ranks`.
+  // store (not the one torch names, see split), with this group's options, staging sizes and
+  // executor, its groups those of this group restricted to the child's ranks; nullptr on a rank
+  // outside `ranks`.
   bool supportsSplitting() const override { return true; }
   c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
@@ -302,12 +303,11 @@ class ProcessGroupHCA : public c10d::Backend {
   int shm_slots_;
   CpuExecutor cpu_executor_kind_;
   // The last child split off, by group name: ProcessGroup::splitGroup asks each of its
-  // device types (cpu and cuda: both this backend) for a split on the same store, and
-  // a second group there would clash with the first's rendezvous.
+  // device types (cpu and cuda: both this backend) for the same split, which is one child.
   std::string last_split_name_;
   c10::weak_intrusive_ptr<c10d::Backend> last_split_{c10::intrusive_ptr<c10d::Backend>()};
   int shrinks_ = 0;  // the children shrink made, which name their keys on the store
-  std::map<std::vector<int>, int> splits_;  // the children split off, by their ranks: their keys on the store
+  std::map<std::vector<int>, int> splits_;  // children split off per set of ranks, which name their keys on the store
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<ControlBlock> control_;  // null once ended
   std::atomic<uint32_t> failure_at_end_{0};  // this rank's FailureKind when the group ended
