@@ -41,7 +41,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       shm_slots_(shm_slots),
       cpu_executor_kind_(cpu_executor),
       store_(store) {
-  raise_heap_thresholds_as_after_a_large_free();
+  raise_heap_thresholds();
   if (!tables_.cpu.empty()) {
     TORCH_CHECK_VALUE(tables_.cpus_of_ranks.size() == static_cast<size_t>(size), "hca: CPU tables need the CPUs of each of ",
                       size, " ranks, got ", tables_.cpus_of_ranks.size());
