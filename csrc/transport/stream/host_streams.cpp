@@ -2,7 +2,9 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
+#include <map>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -50,76 +52,127 @@ DeviceContext& context() {
 
 }  // namespace
 
-HostStream::HostStream(int device) : device_(device), worker_([this] { work(); }) {}
+class HostStream::Queue {
+ public:
+  Queue() : worker_([this] { work(); }) { worker_.detach(); }  // runs for the process's life, as the device does
+
+  void push(std::shared_ptr<Counts> counts, std::function<void()> op,
+            std::function<void(const std::string&)> if_faulted) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++counts->issued;
+      entries_.push_back({std::move(counts), std::move(op), std::move(if_faulted)});
+    }
+    changed_.notify_all();
+  }
+  uint64_t issued(const Counts& counts) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counts.issued;
+  }
+  bool passed(const Counts& counts, uint64_t mark) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counts.completed >= mark;
+  }
+  void wait_passed(const Counts& counts, uint64_t mark) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    // Another queue's fault is not announced here: look again now and then.
+    while (counts.completed < mark && !context().faulted()) changed_.wait_for(lock, std::chrono::milliseconds(10));
+  }
+  bool is_current_thread() const { return std::this_thread::get_id() == id_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<Counts> counts;
+    std::function<void()> run;
+    std::function<void(const std::string&)> if_faulted;
+  };
+
+  void work() {
+    id_ = std::this_thread::get_id();
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      changed_.wait(lock, [&] { return !entries_.empty(); });
+      Entry entry = std::move(entries_.front());
+      entries_.pop_front();
+      lock.unlock();
+      if (!context().faulted()) {
+        try {
+          entry.run();
+        } catch (const std::exception& e) {
+          context().fault(e.what());
+        }
+      } else if (entry.if_faulted) {
+        entry.if_faulted(context().what());
+      }
+      entry.run = {};  // what it captured goes before the host hears it ran
+      entry.if_faulted = {};
+      lock.lock();
+      ++entry.counts->completed;
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::deque<Entry> entries_;
+  std::atomic<std::thread::id> id_{};
+  std::thread worker_;
+};
+
+namespace {
+
+// CUDA_DEVICE_MAX_CONNECTIONS as the driver reads it: 8 unless set, at most 32.
+size_t queues_per_device() {
+  const char* text = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const long asked = text && *text ? std::strtol(text, nullptr, 10) : 8;
+  return static_cast<size_t>(std::min(32L, std::max(1L, asked)));
+}
+
+// The queue of the next stream created on `device`, round robin.
+std::shared_ptr<HostStream::Queue> next_queue(int device) {
+  struct Queues {
+    std::vector<std::shared_ptr<HostStream::Queue>> queues;
+    size_t created = 0;
+  };
+  static std::mutex mutex;
+  static auto* devices = new std::map<int, Queues>();  // never destroyed: the queues' threads run to the end
+  std::lock_guard<std::mutex> lock(mutex);
+  Queues& mine = (*devices)[device];
+  if (mine.queues.empty()) {
+    for (size_t i = 0; i < queues_per_device(); ++i) mine.queues.push_back(std::make_shared<HostStream::Queue>());
+  }
+  return mine.queues[mine.created++ % mine.queues.size()];
+}
+
+}  // namespace
+
+HostStream::HostStream(int device)
+    : device_(device), queue_(next_queue(device)), counts_(std::make_shared<Counts>()) {}
 
 HostStream::~HostStream() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
-  }
-  changed_.notify_all();
-  // The last owner may be one of its own operations (a Work freed by a Future's callback).
-  if (worker_.get_id() == std::this_thread::get_id()) {
-    worker_.detach();
-  } else {
-    worker_.join();
-  }
+  // The last owner may be one of the queue's own operations (a Work freed by a Future's callback).
+  if (!queue_->is_current_thread()) queue_->wait_passed(*counts_, queue_->issued(*counts_));
 }
 
 void HostStream::issue(std::function<void()> op, std::function<void(const std::string&)> if_faulted) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back({std::move(op), std::move(if_faulted)});
-    ++issued_;
-  }
-  changed_.notify_all();
+  queue_->push(counts_, std::move(op), std::move(if_faulted));
 }
 
-uint64_t HostStream::record() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return issued_;
-}
+uint64_t HostStream::record() { return queue_->issued(*counts_); }
 
 bool HostStream::passed(uint64_t mark) const {
   context().throw_if_faulted();
-  std::lock_guard<std::mutex> lock(mutex_);
-  return completed_ >= mark;
+  return queue_->passed(*counts_, mark);
 }
 
-void HostStream::wait_passed(uint64_t mark) const {
-  std::unique_lock<std::mutex> lock(mutex_);
-  // Another stream's fault is not announced here: look again now and then.
-  while (completed_ < mark && !context().faulted()) changed_.wait_for(lock, std::chrono::milliseconds(10));
-}
+void HostStream::wait_passed(uint64_t mark) const { queue_->wait_passed(*counts_, mark); }
 
 void HostStream::synchronize(uint64_t mark) const {
   wait_passed(mark);
   context().throw_if_faulted();
 }
 
-void HostStream::work() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  while (true) {
-    changed_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stopped, everything run
-    Op op = std::move(queue_.front());
-    queue_.pop_front();
-    lock.unlock();
-    if (!context().faulted()) {
-      try {
-        op.run();
-      } catch (const std::exception& e) {
-        context().fault(e.what());
-      }
-    } else if (op.if_faulted) {
-      op.if_faulted(context().what());
-    }
-    op = {};  // what it captured goes before the host hears it ran
-    lock.lock();
-    ++completed_;
-    changed_.notify_all();
-  }
-}
+bool HostStream::is_current_thread() const { return queue_->is_current_thread(); }
 
 namespace {
 

@@ -1,11 +1,11 @@
-// The CPU model of the device: streams that are host threads, each running
-// the operations issued on it in order (HostStream), and a StreamDevice over
+// The CPU model of the device: streams on hardware queues that are host threads,
+// each running the operations issued on it in order (HostStream), and a StreamDevice over
 // them whose staging slots are POSIX shared memory. With it the stream executor
 // (deferred waits and writes, the watchdog, releasing streams after a failure)
 // runs on CPU tensors, so that CI checks the logic the CUDA executor shares
 // with it (TORCH_HCA_CPU_EXECUTOR=streams; the shared-memory executor is faster).
-// It is never kinder than a GPU: every stream has a thread of its own, nothing
-// orders two streams but events and progress words, the host sees an
+// It is never kinder than a GPU: nothing orders two streams but events,
+// progress words and the hardware queue they share (below), the host sees an
 // operation's effect only through an event; an operation that throws faults
 // the process's model device for good, as a sticky error does a CUDA context
 // (later operations on every stream are skipped, every stream's events raise
@@ -30,15 +30,21 @@
 
 namespace hca {
 
+// A stream of the model. A GPU runs a process's streams of a device on a few
+// hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 by default), the n-th
+// stream created on queue n mod that count, each queue in the order its
+// operations were issued: an operation that waits (for an event, a peer's
+// progress word) holds back every stream's work queued behind it on its queue.
+// The model keeps that rule: a queue is a host thread, shared by its streams.
 class HostStream {
  public:
   explicit HostStream(int device);
-  ~HostStream();  // runs what was issued, then joins its thread
+  ~HostStream();  // waits for what was issued (unless called from its queue's thread)
   HostStream(const HostStream&) = delete;
   HostStream& operator=(const HostStream&) = delete;
 
-  // Runs `op` on the stream's thread after everything issued before it; once
-  // the device has faulted, runs `if_faulted` (if any) with the fault instead.
+  // Runs `op` on the stream's queue after everything issued before it there;
+  // once the device has faulted, runs `if_faulted` (if any) with the fault instead.
   void issue(std::function<void()> op, std::function<void(const std::string&)> if_faulted = nullptr);
   int device() const { return device_; }
   // A mark after everything issued so far (an event).
@@ -49,23 +55,18 @@ class HostStream {
   void synchronize(uint64_t mark) const;
   // As synchronize, for another stream's operation: returns once faulted.
   void wait_passed(uint64_t mark) const;
-  // Whether the caller is the stream's own thread (running one of its operations).
-  bool is_current_thread() const { return std::this_thread::get_id() == worker_.get_id(); }
+  // Whether the caller is the thread of the stream's queue (running one of its operations).
+  bool is_current_thread() const;
+
+  class Queue;  // a hardware work queue (host_streams.cpp)
+  struct Counts {  // under the queue's mutex
+    uint64_t issued = 0, completed = 0;
+  };
 
  private:
-  struct Op {
-    std::function<void()> run;
-    std::function<void(const std::string&)> if_faulted;
-  };
-  void work();
-
   const int device_;
-  mutable std::mutex mutex_;
-  mutable std::condition_variable changed_;
-  std::deque<Op> queue_;
-  uint64_t issued_ = 0, completed_ = 0;
-  bool stop_ = false;
-  std::thread worker_;
+  std::shared_ptr<Queue> queue_;
+  std::shared_ptr<Counts> counts_;  // shared with the queue's entries, which may outlive the stream
 };
 
 // The stream executor over the model (its streams are HostStreams of the
