@@ -78,11 +78,9 @@ def test_mixed_collectives_in_flight_waited_late_or_never(world, device):
 
 @contextlib.contextmanager
 def _stream_of_its_own(dev):
-    """The calling thread's device work on a stream of its own, as NCCL asks of threads that drive
-    groups at once. On the default stream, which every thread of a process shares, a thread's
-    wait() and its host copies (`.to(dev)`, `.cpu()`) wait for the other threads' calls too, in
-    whatever order the threads got there on each rank: ranks can wait for each other in a cycle
-    that only the group's timeout ends (a GPU run of this test with one shared stream hung)."""
+    """The calling thread's device work on a stream of its own. On the default stream, which every
+    thread of a process shares, a thread's wait() and its host copies (`.to(dev)`, `.cpu()`) would
+    wait for the other threads' calls too."""
     if dev.type == "cuda":
         with torch.cuda.stream(torch.cuda.Stream(dev)):
             yield
@@ -92,25 +90,52 @@ def _stream_of_its_own(dev):
         yield
 
 
+class _Turns:
+    """Turns taken in one order on every rank: thread k of n takes turns k, k + n, k + 2n, ..."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._now = 0
+
+    @contextlib.contextmanager
+    def turn(self, number):
+        with self._changed:
+            self._changed.wait_for(lambda: self._now == number)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._now += 1
+                self._changed.notify_all()
+
+
 def _groups_driven_by_threads(rank, world, device):
     """Background work (DCP's async save, a metrics thread) drives a group of its own from a thread
-    beside the training's: four groups (one per algorithm), each driven by a thread of its own at
-    once, on a stream of its own, every call async and checked."""
+    beside the training's: four groups (one per algorithm), each driven by a thread of its own, on a
+    stream of its own, every call async and checked. On CPU tensors the threads race. On a device
+    they take turns, a round each, in one order on every rank, as NCCL asks of communicators
+    driven by threads: a GPU runs the streams on a few hardware queues, each in issue order, so a
+    call waiting there for its peers holds back another group's call queued behind it, which the
+    peers may be waiting for in turn (test_model_device's groups called in opposite orders). The
+    ranks run with one queue (CUDA_DEVICE_MAX_CONNECTIONS=1), where anything else would deadlock."""
     dev = rank_device(device, rank)
+    on_device = dev.type == "cuda" or os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams"
     groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
                                    (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
                                     torch_hca.Options("direct"))]
     errors = [[] for _ in groups]
+    turns = _Turns()
 
     def drive(k):
-        try:
-            with _stream_of_its_own(dev):
-                for i in range(4):
-                    for work, name, t, want in _issue_mixed(rank, world, dev, groups[k], 1000 * k + 30 * i):
-                        work.wait()
-                        errors[k].append(mismatch(f"group {k} round {i}: {name}", t, want, world))
-        except Exception:  # noqa: BLE001  a thread's failure goes back to the test
-            errors[k].append(f"group {k}: {traceback.format_exc()}")
+        with _stream_of_its_own(dev):
+            for i in range(4):
+                with turns.turn(i * len(groups) + k) if on_device else contextlib.nullcontext():
+                    try:
+                        for work, name, t, want in _issue_mixed(rank, world, dev, groups[k], 1000 * k + 30 * i):
+                            work.wait()
+                            errors[k].append(mismatch(f"group {k} round {i}: {name}", t, want, world))
+                    except Exception:  # noqa: BLE001  a thread's failure goes back to the test
+                        errors[k].append(f"group {k} round {i}: {traceback.format_exc()}")
 
     threads = [threading.Thread(target=drive, args=(k,)) for k in range(len(groups))]
     for thread in threads:
@@ -122,7 +147,8 @@ def _groups_driven_by_threads(rank, world, device):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_groups_driven_by_threads_of_their_own_at_once(world, device):
-    assert run_ranks(_groups_driven_by_threads, world, device, env=SMALL_CHUNKS) == [[]] * world
+    env = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert run_ranks(_groups_driven_by_threads, world, device, env=env) == [[]] * world
 
 
 def _temporaries_in_flight(rank, world, device):

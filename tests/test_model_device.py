@@ -588,3 +588,38 @@ def test_a_call_whose_stream_never_began_names_its_own_rank(world):
         assert not re.search(r"waiting for rank [1-9]", raised), (rank, raised)
         # The peers within the timeout; rank 0's host follows its stream here, kernel included.
         assert rank == 0 or seconds < 3.5, (rank, seconds)
+
+
+def _two_groups_in_opposite_orders(rank, world):
+    """An async all-reduce on each of two groups (3 s timeouts), issued in one order on rank 0 and in
+    the other on the rest, then waited: (the errors raised, the wrong results, seconds)."""
+    groups = [dist.new_group(backend="hca", timeout=timedelta(seconds=3)) for _ in range(2)]
+    for group in groups:  # set-up and self-test, in one order everywhere
+        dist.all_reduce(torch.ones(4), group=group)
+    inputs = [[make_input(k, r, 5_000, torch.float32, "SUM") for r in range(world)] for k in range(2)]
+    mine = [inputs[k][rank].clone() for k in range(2)]
+    start = time.monotonic()
+    order = [0, 1] if rank == 0 else [1, 0]
+    works = {k: dist.all_reduce(mine[k], group=groups[k], async_op=True) for k in order}
+    errors, wrong = [], []
+    for k in order:
+        try:
+            works[k].wait()
+            wrong.append(mismatch(f"group {k}", mine[k], reduce_reference(inputs[k], "SUM"), world))
+        except dist.DistBackendError as e:
+            errors.append(str(e))
+    return errors, [w for w in wrong if w], time.monotonic() - start
+
+
+def test_calls_to_two_groups_in_opposite_orders_end_in_a_timeout_not_a_hang():
+    """hca puts every group's calls on a device in the order they were made (a GPU runs streams on
+    a few hardware queues in issue order: on one, Megatron-LM's setting, calls issued as each
+    group's worker got to them could queue in different orders on different ranks). So, as with
+    NCCL, calls to two groups must come in the same order on every rank: in opposite orders each
+    rank's first call waits for a peer whose first call waits the other way. The groups' timeouts
+    end that with an error within seconds."""
+    results = run_ranks(_two_groups_in_opposite_orders, 2, env={**STREAMS_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    for rank, (errors, wrong, seconds) in enumerate(results):
+        assert not wrong, (rank, wrong)
+        assert errors and all("Timed out" in e for e in errors), (rank, errors)
+        assert seconds < 20, (rank, seconds)

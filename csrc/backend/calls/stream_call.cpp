@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../transport/control/wait.h"
+#include "issue_order.hpp"
 #include "../group/owning_process.hpp"
 #include "../group/process_group_hca.hpp"
 
@@ -265,7 +266,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     c.issued = call->issued();
     c.keep = kept;
   }
-  auto body = [&executor, call, kept, collectives = std::move(collectives), before = std::move(before)] {
+  // Taken here, on the caller's thread: the device gets this call's work after every earlier call's.
+  auto ticket = std::make_shared<IssueTicket>(&call->runtime(), call->device_index());
+  auto body = [&executor, call, kept, collectives = std::move(collectives), before = std::move(before), ticket] {
+    ticket->await();
     if (before) before();
     // The thread running it (the group's worker) on the call's device: never a context on device 0.
     DeviceGuard guard(call->runtime(), call->device_index());
@@ -283,6 +287,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     call->on_stream([tensors = kept.get()] { tensors->args.write_back(); });
     call->end();
     executor.end_call(call->stream(), call->issued(), kept);
+    ticket->pass();  // (else when the closure goes: after an error, or if it never ran)
   };
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), std::move(call),
                                            internal_title);
