@@ -101,7 +101,8 @@ import os, sys, tempfile
 sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch, torch.distributed as dist, torch_hca
 from test_host_heap import _kept_after_freeing
-dist.init_process_group("hca", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.init_process_group("hca", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"), rank=0,
+                        world_size=1)
 dist.all_reduce(torch.ones(4))
 print(_kept_after_freeing({FREED_MIB}))
 dist.destroy_process_group()

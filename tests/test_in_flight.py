@@ -76,6 +76,11 @@ def test_mixed_collectives_in_flight_waited_late_or_never(world, device):
     assert run_ranks(_mixed_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
 
 
+def _on_the_model():
+    """Whether this rank's CPU tensors run on the CPU model of the device."""
+    return os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams"
+
+
 @contextlib.contextmanager
 def _stream_of_its_own(dev):
     """The calling thread's device work on a stream of its own. On the default stream, which every
@@ -85,7 +90,7 @@ def _stream_of_its_own(dev):
         with torch.cuda.stream(torch.cuda.Stream(dev)):
             yield
     else:
-        if os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams":  # the CPU model of the device
+        if _on_the_model():
             torch_hca._C._model.use_side_stream(True)
         yield
 
@@ -119,7 +124,7 @@ def _groups_driven_by_threads(rank, world, device):
     peers may be waiting for in turn (test_model_device's groups called in opposite orders). The
     ranks run with one queue (CUDA_DEVICE_MAX_CONNECTIONS=1), where anything else would deadlock."""
     dev = rank_device(device, rank)
-    on_device = dev.type == "cuda" or os.environ.get("TORCH_HCA_CPU_EXECUTOR") == "streams"
+    on_device = dev.type == "cuda" or _on_the_model()
     groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
                                    (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
                                     torch_hca.Options("direct"))]

@@ -58,7 +58,9 @@ void raise_heap_thresholds() {
     void* volatile block = std::malloc(kBlockBytes);
     std::free(block);
 #ifdef HCA_GLIBC_HEAP
-    if (!environment_fixes_thresholds() && thresholds_still_dynamic(kBlockBytes)) mallopt(M_TRIM_THRESHOLD, static_cast<int>(kTrimThreshold));
+    if (!environment_fixes_thresholds() && thresholds_still_dynamic(kBlockBytes)) {
+      mallopt(M_TRIM_THRESHOLD, static_cast<int>(kTrimThreshold));
+    }
 #endif
   });
 }

@@ -4,7 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <deque>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>

@@ -14,14 +14,10 @@
 // device this process does not see, is such a fault, as reading IPC-mapped
 // memory of a process that is gone faults a GPU.
 #pragma once
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 
 #include "../control/control_block.h"
 #include "../executor.h"
