@@ -30,8 +30,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch_hca.bench import (OPS, bus_factor, busy_processes, int_list_arg, iterations, measure, median_seconds,
-                             parse_size, print_table, size_sweep)
+from torch_hca.bench import (OPS, alternating_samples, bus_factor, busy_processes, int_list_arg, iterations, measure,
+                             median_seconds, parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
 from torch_hca.ranks import start_ranks
 from torch_hca.reference import rank_device
@@ -148,7 +148,7 @@ def time_choices(rank, world, timer_group, device, sizes, report):
         # What the defaults ran at this size, as the fixed setting's label (CPU: chosen per call).
         chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
         ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
-        samples = alternating_samples(modes, calls, timer_group, batches=16)
+        samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
         halves = split_halves(samples, timer_group)
         for label, seconds in slowest_medians(samples, timer_group).items():
             rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
@@ -178,21 +178,6 @@ def calls_per_batch(modes, timer_group, probe, least):
     return dict.fromkeys(modes, count)
 
 
-def alternating_samples(modes, calls, timer_group, batches):
-    """Seconds per call of each mode (name -> function) in each of `batches` batches of calls[mode]
-    back-to-back calls, this rank's. The modes' batches alternate, in order and then in reverse, so
-    that all see the same moments of a machine whose speed drifts."""
-    samples = {mode: [] for mode in modes}
-    for batch in range(batches):
-        for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
-            dist.barrier(group=timer_group)
-            start = time.perf_counter()
-            for _ in range(calls[mode]):
-                modes[mode]()
-            samples[mode].append((time.perf_counter() - start) / calls[mode])
-    return samples
-
-
 def slowest_medians(samples, timer_group):
     """Each mode's median seconds per call over its batches, the slowest rank's."""
     medians = torch.tensor([statistics.median(samples[mode]) for mode in samples], dtype=torch.float64)
@@ -202,7 +187,8 @@ def slowest_medians(samples, timer_group):
 
 def alternating_medians(modes, calls, timer_group, batches=15):
     """Seconds per call of each mode: the median of its alternating batches, slowest rank."""
-    return slowest_medians(alternating_samples(modes, calls, timer_group, batches), timer_group)
+    return slowest_medians(alternating_samples(modes, calls, batches, lambda: dist.barrier(group=timer_group)),
+                           timer_group)
 
 
 def split_halves(samples, timer_group):

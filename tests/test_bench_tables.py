@@ -71,3 +71,32 @@ def test_the_benchmark_names_a_wrong_argument_before_any_launch(args, needle, ca
     with pytest.raises(SystemExit):
         bench.main(args)
     assert needle in capsys.readouterr().err
+
+
+def test_score_choice_counts_where_a_models_choice_came_within_5_percent_of_the_fastest(tmp_path, capsys):
+    """One run of 2 ranks: one pack fastest at 4 B, a pack per rank 1.2x faster at 1 MiB, direct within
+    5% at 64 KiB. The shipped table (a pack per rank from a few KiB) scores all three; a cached model
+    that always keeps one pack, the 4 B size only. The defaults' own rows are not settings."""
+    import json
+
+    import score_choice
+    from torch_hca import costs
+
+    times = {4: {"hierarchical_copy": 5.0, "hierarchical_copy(num_packs=2)": 6.0, "direct": 5.5},
+             64 << 10: {"hierarchical_copy": 12.0, "hierarchical_copy(num_packs=2)": 10.4, "direct": 10.0},
+             1 << 20: {"hierarchical_copy": 120.0, "hierarchical_copy(num_packs=2)": 100.0, "direct": 110.0}}
+    choices = [dict(op="all_reduce", backend=f"hca/{label}", world_size=2, size=size, time_us=t)
+               for size, by_label in times.items() for label, t in by_label.items()]
+    choices += [dict(op="all_reduce", backend=bench.DEFAULTS, world_size=2, size=size, time_us=1.0) for size in times]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"meta": {"cores": 2}, "choices": choices}))
+    one_pack_always = costs.CostModel({name: costs.Line(0.0 if name == "one_pack" else 1e6, 1e9)
+                                       for name in costs.CANDIDATES}, "test")
+    costs.save(one_pack_always, {}, tmp_path / "cache" / "costs-2ranks-2cpus-test.json")
+    score_choice.main([str(run), "--cache", str(tmp_path / "cache")])
+    out = capsys.readouterr().out
+    assert "the shipped table: 2 ranks 3/3; all 3/3" in out, out
+    assert f"the calibrations in {tmp_path / 'cache'}: 2 ranks 1/3; all 1/3" in out, out
+    with pytest.raises(SystemExit):
+        score_choice.main([str(run), "--cache", str(tmp_path / "empty")])
+    assert "no calibration" in capsys.readouterr().err

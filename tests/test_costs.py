@@ -134,6 +134,7 @@ def test_a_calibration_is_cached_and_rank_0s_model_is_everyones(tmp_path):
     assert out.returncode == 0, out.stderr
     [cached] = mine.glob("costs-2ranks-*.json")
     assert "calibrated on this machine" in out.stdout and str(cached) in out.stdout, out.stdout
+    assert ("taking turns" in out.stderr) == (len(os.sched_getaffinity(0)) < 2), out.stderr
     points = json.loads(cached.read_text())["points"]
     for name in costs.CANDIDATES:
         assert [b for b, _ in points[name]] == list(costs.CALIBRATION_BYTES)
@@ -154,6 +155,56 @@ def test_a_calibration_is_cached_and_rank_0s_model_is_everyones(tmp_path):
 
 def _nothing(rank, world):
     return None
+
+
+def test_a_calibration_of_ranks_taking_turns_on_a_cpu_warns_that_it_varies(tmp_path):
+    """Two ranks pinned to one CPU: the calibration is cached and used, and its warning names the file
+    that deleting goes back to the shipped table."""
+    cpu = min(os.sched_getaffinity(0))
+    env = {**os.environ, "TORCH_HCA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "torch_hca.calibrate", "--world-size", "2"], env=env,
+                         capture_output=True, text=True, timeout=300,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    assert out.returncode == 0, out.stderr
+    [cached] = tmp_path.glob("costs-2ranks-1cpus-*.json")
+    assert "timed 2 ranks taking turns on 1 CPU," in out.stderr and f"deleting {cached} goes back" in out.stderr, \
+        out.stderr
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_the_calibrations_barrier_lets_no_rank_through_before_all_arrive(world):
+    """Threads as ranks on one store, arriving in a shuffled order at each of 6 barriers: none leaves
+    barrier k before the last has arrived at it, and the store holds one key for them all."""
+    import threading
+
+    store = dist.HashStore()
+    arrived, left = [[0.0] * world for _ in range(6)], [[0.0] * world for _ in range(6)]
+    delays = torch.rand(6, world, generator=torch.Generator().manual_seed(world)) * 0.02
+
+    def rank(r):
+        barrier = costs.counting_barrier(store.add, world, timeout_s=30)
+        for k in range(6):
+            time.sleep(float(delays[k, r]))
+            arrived[k][r] = time.monotonic()
+            barrier()
+            left[k][r] = time.monotonic()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for k in range(6):
+        assert min(left[k]) >= max(arrived[k]) > 0, (k, arrived[k], left[k])
+    assert store.num_keys() == 1 and store.add("hca_costs_barrier", 0) == 6 * world
+
+
+def test_the_calibrations_barrier_names_a_missing_rank_within_its_timeout():
+    barrier = costs.counting_barrier(dist.HashStore().add, 2, timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not reach the calibration's barrier #1 within 0.5 s"):
+        barrier()
+    assert 0.5 <= time.monotonic() - start < 5
 
 
 def test_a_wrong_calibrate_value_on_rank_0_fails_every_rank_at_init():

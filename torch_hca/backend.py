@@ -113,7 +113,8 @@ def _node_group(store, rank, size, timeout_ms, options):
             rank, size, cpus, cpu.groups,
             lambda topic, mine: _C.exchange_reports(store, topic, rank, size, mine, timeout_ms),
             lambda algorithm, num_packs: make(dist.PrefixStore(f"hca_calibrate_{algorithm}{num_packs}/", store),
-                                              dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)))
+                                              dataclasses.replace(options, algorithm=algorithm, num_packs=num_packs)),
+            costs.counting_barrier(store.add, size, timeout_ms / 1000))
         # By world size (and, for CPU tensors, whether the ranks have fewer CPUs than ranks), for this
         # group and any child split off, each taking its own. CUDA tensors' at the group's first CUDA
         # collective, where it finds all ranks' on one GPU.

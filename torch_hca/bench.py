@@ -160,6 +160,22 @@ def median_seconds(fn, iters, warmup, dev, timer_group):
     return median.item()
 
 
+def alternating_samples(modes, calls, batches, barrier):
+    """Seconds per call of each mode (name -> function) in each of `batches` batches of calls[mode]
+    back-to-back calls, this rank's, every batch after a `barrier()` (so that its first call does
+    not absorb how far apart the ranks left the last one). The modes' batches alternate, in order
+    and then in reverse, so that all see the same moments of a machine whose speed drifts."""
+    samples = {mode: [] for mode in modes}
+    for batch in range(batches):
+        for mode in list(modes)[::1 if batch % 2 == 0 else -1]:
+            barrier()
+            start = time.perf_counter()
+            for _ in range(calls[mode]):
+                modes[mode]()
+            samples[mode].append((time.perf_counter() - start) / calls[mode])
+    return samples
+
+
 @contextlib.contextmanager
 def busy_processes(count):
     """`count` processes that each keep a CPU busy (plain Python spinning), for as long as the block

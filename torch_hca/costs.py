@@ -1,12 +1,12 @@
 """How an all-reduce runs where the user left `algorithm` and/or `num_packs` unset: a cost model.
 
 The candidates, one pack (hierarchical copy, one leader per call), a pack per rank (every rank leads
-the reduction of a part) and reduce_to_one_device (one rank reduces everything, no hierarchy), are
-each a line, time = fixed_us + bytes / bytes_per_us, as NCCL's tuner models its algorithms. A call
-gets the fastest predicted candidate where it is predicted at least 3% faster than one pack (a near
-tie keeps one pack, TF's default); the lines cross at a few sizes, so the choice is a short table
+the reduction of a part), reduce_to_one_device (one rank reduces everything, no hierarchy) and direct
+(in one step every rank sums every peer's staged input), are each a line, time = fixed_us + bytes /
+bytes_per_us, as NCCL's tuner models its algorithms. A call gets the fastest predicted candidate
+where it is predicted at least 3% faster than one pack (a near tie keeps one pack, TF's default); the lines cross at a few sizes, so the choice is a short table
 of sizes that the plan reads per call. Only the candidates the user's options leave open compete:
-all three with neither option set; one pack or a pack per rank with algorithm="hierarchical_copy".
+all four with neither option set; one pack or a pack per rank with algorithm="hierarchical_copy".
 The lines of CPU tensors are fitted to measured times, from, in this order:
 - a calibration cached for this machine and world shape (`python -m torch_hca.calibrate`, or
   TORCH_HCA_CALIBRATE=1 at init, which measures one where none is cached; "force" measures again);
@@ -101,12 +101,13 @@ SHIPPED_CUDA_POINTS = {
 }
 SHIPPED_CUDA_MACHINE = "NVIDIA H200"
 
-# What a calibration times: each candidate at these sizes, REPS batches each after a warm-up call,
-# a batch being back-to-back calls for about BATCH_US (a group's threads that just ran a call still
-# look for the next one a while: single calls of two groups alternating would slow each other).
-CALIBRATION_BYTES = (16 << 10, 256 << 10, 2 << 20, 8 << 20)
-CALIBRATION_REPS = 7
-BATCH_US = 3000
+# What a calibration times: each candidate at these sizes, small ones included, in CALIBRATION_BATCHES
+# batches of about BATCH_US of back-to-back calls, as `bench.py --ops choice` times its contenders (before
+# 2026-11-30 it took 7 batches at 16 KiB to 8 MiB, without a barrier before each: those lines' choice was within
+# 1.05x of the fastest fixed setting at 149-171 of 234 held-out sizes, the shipped table's at 218).
+CALIBRATION_BYTES = (4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20, 8 << 20)
+CALIBRATION_BATCHES = 16
+BATCH_US = 5000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,41 +311,84 @@ def save(model: CostModel, points: dict, path: pathlib.Path) -> None:
         warnings.warn(f"hca: the calibration could not be cached in {path}: {e}", stacklevel=2)
 
 
-def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]) -> Dict[str, list]:
-    """Times each candidate's group (name -> a process group of hca's) at CALIBRATION_BYTES, their
-    batches alternating so that a drift of the machine's speed hits them alike; every rank takes
-    part. The points: per size, the median of each rank's batches (µs per call), the slowest rank's."""
+def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]],
+            barrier: Callable[[], None]) -> Dict[str, list]:
+    """Times each candidate's group (name -> a process group of hca's) at CALIBRATION_BYTES; every rank
+    takes part. The points: per size, the median of each rank's batches (µs per call), the slowest
+    rank's. As `bench.py --ops choice` times its contenders, their batches alternate (torch_hca.bench's
+    alternating_samples), each after `barrier()`, which must not be an hca call (its threads would still
+    be looking for work during the batch), all with as many calls, counted from warm calls."""
     import torch
 
-    times = {name: {b: [] for b in CALIBRATION_BYTES} for name in groups}
+    from .bench import alternating_samples
+
+    points = {name: [] for name in groups}
     for nbytes in CALIBRATION_BYTES:
-        t = torch.zeros(nbytes // 4)
-        calls = 1
-        for group in groups.values():
-            start = time.perf_counter()
-            group.allreduce([t]).wait()  # warm-up: the plan, the staging's first touch
-            calls = max(calls, int(BATCH_US / max((time.perf_counter() - start) * 1e6, 1.0)))
-        # Every rank runs as many calls per batch as rank 0 found it needs.
-        calls = min(int(exchange(f"hca_costs_calls{nbytes}", str(calls))[0]), 200)
-        for rep in range(CALIBRATION_REPS):
-            for name in list(groups)[::1 if rep % 2 == 0 else -1]:
-                start = time.perf_counter()
-                for _ in range(calls):
-                    groups[name].allreduce([t]).wait()
-                times[name][nbytes].append((time.perf_counter() - start) * 1e6 / calls)
-    mine = {name: {b: statistics.median(ts) for b, ts in by_size.items()} for name, by_size in times.items()}
-    reports = [json.loads(r) for r in exchange("hca_costs_measured", json.dumps(
-        {name: list(by_size.items()) for name, by_size in mine.items()}))]
-    return {name: [(b, max(dict(map(tuple, r[name]))[b] for r in reports)) for b in CALIBRATION_BYTES]
-            for name in groups}
+        t = torch.zeros(max(1, nbytes // 4))
+        modes = {name: (lambda g=g: g.allreduce([t]).wait()) for name, g in groups.items()}
+        calls = dict.fromkeys(modes, _calls_per_batch(modes, exchange, f"hca_costs_estimate{nbytes}"))
+        samples = alternating_samples(modes, calls, CALIBRATION_BATCHES, barrier)
+        medians = {name: statistics.median(s) * 1e6 for name, s in samples.items()}
+        reports = [json.loads(r) for r in exchange(f"hca_costs_measured{nbytes}", json.dumps(medians))]
+        for name in groups:
+            points[name].append((nbytes, max(r[name] for r in reports)))
+    return points
+
+
+def _calls_per_batch(modes: Dict[str, Callable[[], None]], exchange: Callable[[str, str], List[str]],
+                     topic: str) -> int:
+    """Calls per batch of about BATCH_US (1 to 200), the same on every rank: from the median of the
+    modes' times over 3 calls after a first (the plan, the staging's first touch), the slowest rank's."""
+    estimates = []
+    for fn in modes.values():
+        fn()
+        start = time.perf_counter()
+        for _ in range(3):
+            fn()
+        estimates.append((time.perf_counter() - start) * 1e6 / 3)
+    slowest = max(map(float, exchange(topic, str(statistics.median(estimates)))))
+    return int(min(200, max(1, BATCH_US / slowest)))
+
+
+# Ranks that take turns on CPUs time differently from moment to moment. On the shipped table's 2-vCPU VM
+# (2026-11-30), ten calibrations each of 3 and of 4 ranks (six as made here, four averaging two sweeps) chose
+# within 1.05x of the fastest fixed setting at 34-119 of 130 sizes (ten `bench.py --ops choice` runs,
+# benchmarks/score_choice.py), the shipped lines at 118-119; eleven of 2 ranks, a CPU each, at 119-128
+# against 122.
+SHARED_CPUS_WARNING = (
+    "hca: this calibration timed {world} ranks taking turns on {cpus}, whose times vary from moment to moment: "
+    "on a 2-vCPU VM such calibrations chose well at 34-119 of 130 sizes where the shipped table chose well at "
+    "118-119. Score it beside the table on runs of benchmarks/bench.py --ops choice (benchmarks/score_choice.py); "
+    "deleting {path} goes back to the shipped table.")
+
+
+def counting_barrier(add: Callable[[str, int], int], world: int, timeout_s: float) -> Callable[[], None]:
+    """A barrier through a store's counter (`add`, a c10d Store's add): one key however often it is
+    passed; a rank missing for `timeout_s` raises RuntimeError."""
+    passed = 0
+
+    def barrier():
+        nonlocal passed
+        passed += 1
+        add("hca_costs_barrier", 1)
+        deadline = time.monotonic() + timeout_s
+        while add("hca_costs_barrier", 0) < passed * world:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"hca: a rank did not reach the calibration's barrier #{passed} "
+                                   f"within {timeout_s:g} s")
+            time.sleep(2e-4)
+
+    return barrier
 
 
 def for_group(rank: int, world: int, cpus: int, groups: Sequence[Sequence[int]],
-              exchange: Callable[[str, str], List[str]], make_group: Callable[[str, int], object]) -> Optional[CostModel]:
+              exchange: Callable[[str, str], List[str]], make_group: Callable[[str, int], object],
+              barrier: Callable[[], None]) -> Optional[CostModel]:
     """The model a group of `world` ranks uses: rank 0's choice of cached, calibrated now or
     shipped, shared through `exchange(key, text)` (every rank's text, by rank). None for one rank.
     `make_group(algorithm, num_packs)`: a private group of the same ranks and options but these,
-    for a calibration (of every candidate, so that the cache serves any options)."""
+    for a calibration (of every candidate, so that the cache serves any options); `barrier()`, one
+    that is not an hca call (counting_barrier), before each of its batches."""
     if world == 1:
         return None
     decision = {}
@@ -366,11 +410,15 @@ def for_group(rank: int, world: int, cpus: int, groups: Sequence[Sequence[int]],
     if "model" in decision:
         return CostModel.from_json(decision["model"])
     groups = {name: make_group(algorithm, world if per_rank else 1) for name, (algorithm, per_rank) in CANDIDATES.items()}
-    points = measure(groups, exchange)
+    points = measure(groups, exchange, barrier)
     for group in groups.values():
         group.shutdown()
     model = fitted(points, f"calibrated on this machine at init on {time.strftime('%Y-%m-%d')} "
                            f"(cached in {decision['calibrate']})")
     if rank == 0:
         save(model, points, pathlib.Path(decision["calibrate"]))
+        if cpus < world:
+            cpus_text = f"{cpus} CPU" if cpus == 1 else f"{cpus} CPUs"
+            warnings.warn(SHARED_CPUS_WARNING.format(world=world, cpus=cpus_text, path=decision["calibrate"]),
+                          stacklevel=2)
     return model
