@@ -158,7 +158,7 @@ def _nothing(rank, world):
 
 
 def test_a_calibration_of_ranks_taking_turns_on_a_cpu_warns_that_it_varies(tmp_path):
-    """Two ranks pinned to one CPU: the calibration is cached and used, and its warning names the file
+    """Two ranks pinned to one CPU: the calibration is cached, and its warning names the file
     that deleting goes back to the shipped table."""
     cpu = min(os.sched_getaffinity(0))
     env = {**os.environ, "TORCH_HCA_CACHE_DIR": str(tmp_path)}

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 -m torch_hca.calibrate
 
 Starts that many CPU ranks here (or runs on torchrun's), times one pack, a pack per rank,
-reduce_to_one_device and direct against each other from 4 B to 8 MiB (torch_hca.costs; about 5 s for
+reduce_to_one_device and direct against each other from 4 B to 8 MiB (torch_hca.costs; about 6 s for
 4 ranks on 2 CPUs), and writes the cache file that every later group of that many ranks on this
 machine reads at init (rank 0's, shared with the others). Delete the file to go back to the
 shipped table.

@@ -4,8 +4,9 @@ The candidates, one pack (hierarchical copy, one leader per call), a pack per ra
 the reduction of a part), reduce_to_one_device (one rank reduces everything, no hierarchy) and direct
 (in one step every rank sums every peer's staged input), are each a line, time = fixed_us + bytes /
 bytes_per_us, as NCCL's tuner models its algorithms. A call gets the fastest predicted candidate
-where it is predicted at least 3% faster than one pack (a near tie keeps one pack, TF's default); the lines cross at a few sizes, so the choice is a short table
-of sizes that the plan reads per call. Only the candidates the user's options leave open compete:
+where it is predicted at least 3% faster than one pack (a near tie keeps one pack, TF's default);
+the lines cross at a few sizes, so the choice is a short table of sizes that the plan reads per
+call. Only the candidates the user's options leave open compete:
 all four with neither option set; one pack or a pack per rank with algorithm="hierarchical_copy".
 The lines of CPU tensors are fitted to measured times, from, in this order:
 - a calibration cached for this machine and world shape (`python -m torch_hca.calibrate`, or
@@ -358,8 +359,8 @@ def _calls_per_batch(modes: Dict[str, Callable[[], None]], exchange: Callable[[s
 SHARED_CPUS_WARNING = (
     "hca: this calibration timed {world} ranks taking turns on {cpus}, whose times vary from moment to moment: "
     "on a 2-vCPU VM such calibrations chose well at 34-119 of 130 sizes where the shipped table chose well at "
-    "118-119. Score it beside the table on runs of benchmarks/bench.py --ops choice (benchmarks/score_choice.py); "
-    "deleting {path} goes back to the shipped table.")
+    "118-119. Score it beside the table on runs of benchmarks/bench.py --ops choice (benchmarks/score_choice.py, "
+    "in torch_hca's repository); deleting {path} goes back to the shipped table.")
 
 
 def counting_barrier(add: Callable[[str, int], int], world: int, timeout_s: float) -> Callable[[], None]:
