@@ -268,7 +268,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
   }
   // Taken here, on the caller's thread: the device gets this call's work after every earlier call's.
   auto ticket = std::make_shared<IssueTicket>(&call->runtime(), call->device_index());
-  auto body = [&executor, call, kept, collectives = std::move(collectives), before = std::move(before), ticket] {
+  auto body = [&executor, call, kept, collectives = std::move(collectives), before = std::move(before), ticket]() mutable {
     ticket->await();
     if (before) before();
     // The thread running it (the group's worker) on the call's device: never a context on device 0.
@@ -286,7 +286,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_on_stream(c10d::OpType ty
     // executor keeps the tensors until the stream has passed the call's end.
     call->on_stream([tensors = kept.get()] { tensors->args.write_back(); });
     call->end();
-    executor.end_call(call->stream(), call->issued(), kept);
+    // The executor holds the tensors from here (and lets go on its watchdog): the closure keeps
+    // none, so the worker, which drops it under the queue's running lock, never frees the last
+    // reference (a storage's deleter may run Python that waits for this group's next call).
+    collectives.clear();
+    executor.end_call(call->stream(), call->issued(), std::move(kept));
     ticket->pass();  // (else when the closure goes: after an error, or if it never ran)
   };
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(body), std::move(call),
