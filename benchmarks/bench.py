@@ -30,8 +30,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch_hca.bench import (OPS, alternating_samples, bus_factor, busy_processes, int_list_arg, iterations, measure,
-                             median_seconds, parse_size, print_table, size_sweep)
+from torch_hca.bench import (OPS, alternating_samples, bus_factor, busy_processes, calls_per_batch, int_list_arg,
+                             iterations, measure, median_seconds, parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
 from torch_hca.ranks import start_ranks
 from torch_hca.reference import rank_device
@@ -118,7 +118,7 @@ def time_latency(rank, world, timer_group, device, report):
             t = torch.zeros(max(1, nbytes // 4), device=dev)
             modes = {"blocking": synchronized(lambda: dist.all_reduce(t, group=group), dev),
                      "async": synchronized(lambda: dist.all_reduce(t, group=group, async_op=True).wait(), dev)}
-            calls = calls_per_batch(modes, timer_group, probe=20, least=5)
+            calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=20, least=5)
             for mode, seconds in alternating_medians(modes, calls, timer_group).items():
                 rows.append(dict(backend=label, mode=mode, world_size=world, size=nbytes, time_us=seconds * 1e6))
                 report(rows[-1])
@@ -144,7 +144,7 @@ def time_choices(rank, world, timer_group, device, sizes, report):
         modes = {label: synchronized(lambda g=g: dist.all_reduce(t, group=g), dev) for label, g in groups.items()}
         for fn in modes.values():
             fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
-        calls = calls_per_batch(modes, timer_group, probe=3, least=1)
+        calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=3, least=1)
         # What the defaults ran at this size, as the fixed setting's label (CPU: chosen per call).
         chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
         ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
@@ -164,18 +164,13 @@ def fixed_label(candidate, world):
     return f"{algorithm}(num_packs={world})" if per_rank else algorithm
 
 
-def calls_per_batch(modes, timer_group, probe, least):
-    """How many back-to-back calls make a batch of about 5 ms (from `least` to 200), one count for
-    every mode (name -> function): the median of the modes' estimates, each timed over `probe`
-    calls, the slowest rank's. A batch's first call absorbs how far apart the ranks left the
-    barrier before it, so a mode given fewer calls pays more of that per call: with a count of its
-    own, the first mode probed at the first size (its probe cold) got a third of the others' count
-    and looked 3-5 us slower at 3 ranks."""
-    estimates = torch.tensor([_timed(lambda: [fn() for _ in range(probe)]) / probe for fn in modes.values()],
-                             dtype=torch.float64)
-    dist.all_reduce(estimates, op=dist.ReduceOp.MAX, group=timer_group)
-    count = int(min(200, max(least, 5e-3 / statistics.median(estimates.tolist()))))
-    return dict.fromkeys(modes, count)
+def slowest_over_ranks(timer_group):
+    """Each of this rank's numbers replaced by the largest of the ranks' (calls_per_batch's `slowest`)."""
+    def slowest(numbers):
+        t = torch.tensor(numbers, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=timer_group)
+        return t.tolist()
+    return slowest
 
 
 def slowest_medians(samples, timer_group):

@@ -160,6 +160,23 @@ def median_seconds(fn, iters, warmup, dev, timer_group):
     return median.item()
 
 
+def calls_per_batch(modes, slowest, probe, least, batch_s=5e-3):
+    """How many back-to-back calls make a batch of about `batch_s` (from `least` to 200), one count
+    for every mode (name -> function): the median of the modes' estimates, each timed over `probe`
+    calls, the slowest rank's (`slowest(estimates)`: each mode's largest over the ranks). A batch's
+    first call absorbs how far apart the ranks left the barrier before it, so a mode given fewer
+    calls pays more of that per call: with a count of its own, the first mode probed at the first
+    size (its probe cold) got a third of the others' count and looked 3-5 us slower at 3 ranks."""
+    estimates = []
+    for fn in modes.values():
+        start = time.perf_counter()
+        for _ in range(probe):
+            fn()
+        estimates.append((time.perf_counter() - start) / probe)
+    count = int(min(200, max(least, batch_s / statistics.median(slowest(estimates)))))
+    return dict.fromkeys(modes, count)
+
+
 def alternating_samples(modes, calls, batches, barrier):
     """Seconds per call of each mode (name -> function) in each of `batches` batches of calls[mode]
     back-to-back calls, this rank's, every batch after a `barrier()` (so that its first call does

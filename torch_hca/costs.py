@@ -321,13 +321,16 @@ def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]
     be looking for work during the batch), all with as many calls, counted from warm calls."""
     import torch
 
-    from .bench import alternating_samples
+    from .bench import alternating_samples, calls_per_batch
 
     points = {name: [] for name in groups}
     for nbytes in CALIBRATION_BYTES:
         t = torch.zeros(max(1, nbytes // 4))
         modes = {name: (lambda g=g: g.allreduce([t]).wait()) for name, g in groups.items()}
-        calls = dict.fromkeys(modes, _calls_per_batch(modes, exchange, f"hca_costs_estimate{nbytes}"))
+        for fn in modes.values():
+            fn()  # the plan, the staging's first touch
+        calls = calls_per_batch(modes, _largest_over_ranks(exchange, f"hca_costs_estimate{nbytes}"), probe=3, least=1,
+                                batch_s=BATCH_US * 1e-6)
         samples = alternating_samples(modes, calls, CALIBRATION_BATCHES, barrier)
         medians = {name: statistics.median(s) * 1e6 for name, s in samples.items()}
         reports = [json.loads(r) for r in exchange(f"hca_costs_measured{nbytes}", json.dumps(medians))]
@@ -336,19 +339,12 @@ def measure(groups: Dict[str, object], exchange: Callable[[str, str], List[str]]
     return points
 
 
-def _calls_per_batch(modes: Dict[str, Callable[[], None]], exchange: Callable[[str, str], List[str]],
-                     topic: str) -> int:
-    """Calls per batch of about BATCH_US (1 to 200), the same on every rank: from the median of the
-    modes' times over 3 calls after a first (the plan, the staging's first touch), the slowest rank's."""
-    estimates = []
-    for fn in modes.values():
-        fn()
-        start = time.perf_counter()
-        for _ in range(3):
-            fn()
-        estimates.append((time.perf_counter() - start) * 1e6 / 3)
-    slowest = max(map(float, exchange(topic, str(statistics.median(estimates)))))
-    return int(min(200, max(1, BATCH_US / slowest)))
+def _largest_over_ranks(exchange: Callable[[str, str], List[str]], topic: str) -> Callable[[List[float]], List[float]]:
+    """calls_per_batch's `slowest`, through `exchange`: each of this rank's numbers replaced by the
+    largest of the ranks'."""
+    def largest(numbers):
+        return [max(column) for column in zip(*(json.loads(r) for r in exchange(topic, json.dumps(numbers))))]
+    return largest
 
 
 # Ranks that take turns on CPUs time differently from moment to moment. On the shipped table's 2-vCPU VM
