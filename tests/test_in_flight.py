@@ -4,8 +4,11 @@ freed buffers poisoned) these are the CUDA path's check; on "cpu" the shared-mem
 import contextlib
 import os
 import threading
+import time
 import traceback
+import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,6 +190,45 @@ def _temporaries_in_flight(rank, world, device):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_buffers_only_hca_holds_live_until_the_device_is_done(world, device):
     assert run_ranks(_temporaries_in_flight, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+def _python_runs_when_the_worker_lets_go(rank, world):
+    """An async all-gather whose input only the call holds (a numpy array with a finalizer) and
+    whose Work the caller dropped: the worker that ran it holds their last references. The
+    finalizer, Python, waits for the group's next call, which must still run: the worker hands
+    its role on before it lets go, and never frees them under the lock that calls run under."""
+    started, go_on, seen = threading.Event(), threading.Event(), {}
+
+    def finalizer():
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        started.set()
+        if seen["thread"]:
+            seen["released"] = go_on.wait(20)
+
+    inputs = [make_input(30, r, 200_000, torch.float32, "SUM") for r in range(world)]
+    array = inputs[rank].numpy().copy()
+    weakref.finalize(array, finalizer)
+    t, out = torch.from_numpy(array), torch.empty(200_000 * world)
+    del array
+    if rank == 0:
+        time.sleep(0.2)  # rank 1's worker still runs the call when rank 1 lets go of it
+    all_gather_single(out, t, async_op=True)
+    del t
+    assert started.wait(20), "the tensor was never freed"
+    work = dist.all_reduce(torch.ones(1000), async_op=True)  # polled, never waited: the worker's
+    deadline = time.monotonic() + 10
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    completed = work.is_completed()
+    go_on.set()
+    work.wait()
+    return completed, seen, mismatch("all_gather", out, torch.cat(inputs), 1)
+
+
+def test_python_run_by_a_call_the_worker_lets_go_may_wait_for_the_group():
+    completed, seen, wrong = run_ranks(_python_runs_when_the_worker_lets_go, 2)[1]
+    assert completed, "a call issued while a freed tensor's finalizer waited never finished"
+    assert seen == {"thread": True, "released": True} and not wrong, (seen, wrong)
 
 
 def _ddp(rank, world, device, backend_name, steps=6, set_device=True):

@@ -51,6 +51,8 @@ class WorkQueueState : public std::enable_shared_from_this<WorkQueueState> {
   void loop(int me);
   // The runner's wait for something queued (or stop()); mutex_ held through `lock`.
   void idle(std::unique_lock<std::mutex>& lock);
+  // Lets go of a Work the runner `me` ran and completed; mutex_ not held.
+  void release(c10::intrusive_ptr<WorkHCA> work, int me, std::unique_lock<std::mutex>& lock);
   // Pops the head of the queue; mutex_ held.
   c10::intrusive_ptr<WorkHCA> take_front();
   // Makes a parked thread, or a new one, the runner; mutex_ held.
@@ -146,15 +148,15 @@ void WorkHCA::synchronize() {
 }
 
 std::exception_ptr WorkHCA::run_body() {
-  std::exception_ptr error;
   try {
     body_();
   } catch (...) {
-    error = std::current_exception();
+    return std::current_exception();
   }
-  body_ = nullptr;
-  return error;
+  return nullptr;
 }
+
+void WorkHCA::release_body() { body_ = nullptr; }
 
 void WorkHCA::complete(std::exception_ptr error) {
   if (error) {
@@ -201,6 +203,7 @@ bool WorkQueueState::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_in
   auto error = work->run_body();
   running.unlock();
   work->complete(error);
+  work->release_body();
   return true;
 }
 
@@ -239,6 +242,7 @@ bool WorkQueueState::run_if_next(const WorkHCA& work) {
     --unfinished_;
   }
   taken->complete(error);
+  taken->release_body();
   return true;
 }
 
@@ -277,7 +281,7 @@ void WorkQueueState::loop(int me) {
     completing_thread = me;
     work->complete(error);
     completing_queue = nullptr;
-    work.reset();  // its last reference may go here: not under mutex_
+    release(std::move(work), me, lock);
     lock.lock();
     if (stopped_by_callback) {
       stopped_by_callback = false;  // stop() counted it out already
@@ -285,6 +289,18 @@ void WorkQueueState::loop(int me) {
       ready_.notify_all();
     }
   }
+}
+
+void WorkQueueState::release(c10::intrusive_ptr<WorkHCA> work, int me, std::unique_lock<std::mutex>& lock) {
+  // Freeing a call's tensors (its closure's, its outputs) may run Python, a finalizer, that
+  // waits for the group's next call. So the runner never frees a Work's last reference: it
+  // hands its role on first, and the next call does not wait for this thread.
+  if (work.use_count() == 1) {
+    lock.lock();
+    if (runner_ == me && !stop_) hand_off();
+    lock.unlock();
+  }
+  work.reset();  // not under mutex_
 }
 
 void WorkQueueState::idle(std::unique_lock<std::mutex>& lock) {

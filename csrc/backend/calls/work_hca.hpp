@@ -62,6 +62,8 @@ class WorkHCA : public c10d::Work {
   void synchronize() override;
   // Runs the body: the error it threw, if any (complete() follows, outside the queue's lock).
   std::exception_ptr run_body();
+  // Lets go of the body's closure (and what it holds), once the Work is complete.
+  void release_body();
   // Completes the Work and its Future (a Work without a body, e.g. a send).
   void complete(std::exception_ptr error);
 
