@@ -1,9 +1,11 @@
 """Waits beside other busy processes, and ranks sharing a CPU. A wait whose yield came back late
 sleeps on doorbells from then on only if processes outside the group kept the cores busy;
 torch_hca._C._outside_cores measures that as the wait does (/proc), and the collectives stay right
-while it decides. A wait for a rank that said it runs on the waiter's own CPU does not spin."""
+while it decides. A wait for a rank that said it runs on the waiter's own CPU does not spin. A rank
+that comes early stages its data while it waits for the late ones."""
 import functools
 import os
+import random
 import subprocess
 import sys
 import time
@@ -14,8 +16,8 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca.bench import busy_processes
-from harness import run_ranks
-from reference import make_input, mismatch, reduce_reference
+from harness import SMALL_CHUNKS, run_ranks
+from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 # The share of a core above which a wait blames outsiders (OutsideLoad::kBusyCores).
 BUSY_CORES = 0.5
@@ -96,3 +98,41 @@ def test_ranks_sharing_a_cpu(world, layout):
     for rank, (errors, said) in enumerate(results):
         assert errors == []
         assert said == expected, f"rank {rank} read the ranks' CPUs {said}, pinned {expected}"
+
+
+def _calls_with_a_late_rank(rank, world, calls):
+    """All-reduces (every algorithm), all-gathers and reduce-scatters of many rounds, one random
+    rank late to each by up to 3 ms: the others stage ahead into slots their peers may still be
+    reading from the call before, unless the peers' progress says the slots are free."""
+    rnd = random.Random(7)  # the same draws on every rank
+    groups = [dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm=algorithm))
+              for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct")]
+    errors = []
+    for call in range(calls):
+        kind, group = rnd.choice(["allreduce", "allgather", "reduce_scatter"]), rnd.choice(groups)
+        numel = rnd.choice([1000, 40_000, 300_001]) // world * world
+        late, delay_s = rnd.randrange(world), rnd.uniform(0, 0.003)
+        inputs = [make_input(call, r, numel, torch.float32, "SUM") for r in range(world)]
+        if rank == late:
+            time.sleep(delay_s)
+        t = inputs[rank].clone()
+        if kind == "allreduce":
+            dist.all_reduce(t, group=group)
+            got, want = t, reduce_reference(inputs, "SUM")
+        elif kind == "allgather":
+            got = torch.empty(numel * world)
+            all_gather_single(got, t, group=group)
+            want = torch.cat(inputs)
+        else:
+            got = torch.empty(numel // world)
+            reduce_scatter_single(got, t, group=group)
+            want = reduce_reference(inputs, "SUM")[rank * (numel // world):(rank + 1) * (numel // world)]
+        errors.append(mismatch(f"call {call}: {kind} of {numel}, rank {late} late", got, want, world))
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_that_arrive_late(world):
+    """Two slots of 64 KiB per rank: most calls take many rounds, so a rank staging ahead reaches
+    slots of the very call its peers run."""
+    assert run_ranks(_calls_with_a_late_rank, world, 60, env=SMALL_CHUNKS) == [[]] * world

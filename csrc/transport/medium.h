@@ -29,6 +29,9 @@ class Medium {
   // Until `peer`'s progress word reaches `at_least` (cyclic compare); `ctx`
   // bounds host waits (a stream's waits are bounded by its executor's watchdog).
   virtual void wait(int peer, uint32_t at_least, const WaitContext& ctx) = 0;
+  // Whether `peer`'s progress word has reached `at_least`, known now without
+  // waiting (false where the medium cannot tell: a stream's words live on its device).
+  virtual bool reached_now(int peer, uint32_t at_least) const { return false; }
   // This rank's progress word becomes `value`, after everything issued before.
   virtual void signal(uint32_t value) = 0;
 };

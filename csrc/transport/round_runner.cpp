@@ -35,22 +35,39 @@ struct RoundRunner::RoundState {
   int divisor;
 };
 
-void RoundRunner::run(const Collective& collective, const WaitContext& ctx) {
-  const auto& plan = *collective.plan;
-  if (collective.plan != read_plan_) {
-    for (const auto& p : plan) {
-      if (p.schedule.steps.size() > kMaxSteps) throw std::logic_error("hca: a schedule has too many steps");
-    }
-    roles_ = roles_of(plan, rank_);
-    cut_ = cut_rounds(plan, medium_.slot_bytes());
-    read_plan_ = collective.plan;  // held, so that its address cannot name another plan
+void RoundRunner::read_plan(const Collective& collective) {
+  if (collective.plan == read_plan_) return;
+  for (const auto& p : *collective.plan) {
+    if (p.schedule.steps.size() > kMaxSteps) throw std::logic_error("hca: a schedule has too many steps");
   }
+  roles_ = roles_of(*collective.plan, rank_);
+  cut_ = cut_rounds(*collective.plan, medium_.slot_bytes());
+  read_plan_ = collective.plan;  // held, so that its address cannot name another plan
+}
+
+size_t RoundRunner::stage_ahead(const Collective& collective, const std::function<bool()>& waiting) {
+  read_plan(collective);
+  size_t staged = 0;
+  while (staged < cut_.size() && waiting() && slot_free_now(rounds_ + staged + 1)) {
+    const uint64_t round = rounds_ + staged + 1;
+    stage_inputs({collective, cut_[staged], roles_, round, medium_.staging(rank_, round), 1});
+    ++staged;
+  }
+  return staged;
+}
+
+void RoundRunner::run(const Collective& collective, const WaitContext& ctx, size_t staged) {
+  const auto& plan = *collective.plan;
+  read_plan(collective);
   const int divisor = collective.op == ReduceOp::Avg ? world_ : 1;
-  for (const Round& pieces : cut_) {
+  for (size_t i = 0; i < cut_.size(); ++i) {
+    const Round& pieces = cut_[i];
     const uint64_t round = ++rounds_;
-    reuse_slot(round, ctx);
     const RoundState state{collective, pieces, roles_, round, medium_.staging(rank_, round), divisor};
-    stage_inputs(state);
+    if (i >= staged) {
+      reuse_slot(round, ctx);
+      stage_inputs(state);
+    }
     medium_.signal(progress_value(round, 1));
     size_t steps = 0;
     for (const Piece& piece : pieces) steps = std::max(steps, plan[piece.pack].schedule.steps.size());
@@ -70,6 +87,15 @@ void RoundRunner::reuse_slot(uint64_t round, const WaitContext& ctx) {
   for (int peer = 0; peer < world_; ++peer) {
     if (peer != rank_) medium_.wait(peer, progress_value(round - slots + 1, 1), ctx);
   }
+}
+
+bool RoundRunner::slot_free_now(uint64_t round) const {
+  const uint64_t slots = static_cast<uint64_t>(medium_.slots());
+  if (round <= slots) return true;
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_ && !medium_.reached_now(peer, progress_value(round - slots + 1, 1))) return false;
+  }
+  return true;
 }
 
 void RoundRunner::stage_inputs(const RoundState& state) {

@@ -4,6 +4,7 @@
 // reused only after every peer has moved past the round that last filled it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -23,12 +24,19 @@ constexpr size_t kMaxSteps = 14;  // steps_done + 1 must fit the 4 low bits
 class RoundRunner {
  public:
   RoundRunner(Medium& medium, int rank, int world) : medium_(medium), rank_(rank), world_(world) {}
-  // Issues every round of `collective` on the medium, in order.
-  void run(const Collective& collective, const WaitContext& ctx);
+  // Stages the first rounds of `collective`, one by one while `waiting()` says
+  // the peers are not all there yet and every peer has let go of the round's
+  // slot already (never waits); returns how many, for run().
+  size_t stage_ahead(const Collective& collective, const std::function<bool()>& waiting);
+  // Issues every round of `collective` on the medium, in order; the first
+  // `staged` were staged by stage_ahead.
+  void run(const Collective& collective, const WaitContext& ctx, size_t staged = 0);
 
  private:
   struct RoundState;
+  void read_plan(const Collective& collective);
   void reuse_slot(uint64_t round, const WaitContext& ctx);
+  bool slot_free_now(uint64_t round) const;
   void stage_inputs(const RoundState& state);
   void run_step(const RoundState& state, size_t step, const WaitContext& ctx);
   void reduce_beside_readers(const RoundState& state, const Piece& piece, bool final_step);

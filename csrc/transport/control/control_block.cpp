@@ -276,6 +276,11 @@ WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milli
 }
 
 void ControlBlock::start(const std::string& signature, const WaitContext& ctx, bool internal) {
+  post(signature, internal);
+  await_posted(ctx, internal);
+}
+
+void ControlBlock::post(const std::string& signature, bool internal) {
   const uint64_t n = ++collectives_;
   if (internal) ++internal_;
   RankSlot& mine = slot(rank_);
@@ -284,6 +289,18 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx, b
   text[kSignatureBytes - 1] = '\0';
   mine.started.store(n, std::memory_order_release);
   ring();
+}
+
+bool ControlBlock::all_posted() const {
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_ && started_by(peer) < collectives_) return false;
+  }
+  return true;
+}
+
+void ControlBlock::await_posted(const WaitContext& ctx, bool internal) const {
+  const uint64_t n = collectives_;
+  const char* text = slot(rank_).signature[n % 2];
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     const RankSlot& theirs = slot(peer);

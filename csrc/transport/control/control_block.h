@@ -117,6 +117,13 @@ class ControlBlock {
   // the same: throws Failure(Mismatch) naming both calls otherwise. Every wait
   // here also ends, with check_usable's Failure, once this rank has failed.
   void start(const std::string& signature, const WaitContext& ctx, bool internal = false);
+  // start() in two halves, so that a rank can stage its own data while it waits for
+  // late peers: post() says which collective this rank calls; await_posted() waits
+  // until every peer has posted the same.
+  void post(const std::string& signature, bool internal = false);
+  void await_posted(const WaitContext& ctx, bool internal = false) const;
+  // Whether every peer has posted this rank's last posted collective (or a later one), now.
+  bool all_posted() const;
 
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
     return slot(rank).progress[static_cast<int>(word)].value;

@@ -25,6 +25,10 @@ void HostMedium::wait(int peer, uint32_t at_least, const WaitContext& ctx) {
   control_.wait_progress(peer, ProgressWord::Host, at_least, ctx);
 }
 
+bool HostMedium::reached_now(int peer, uint32_t at_least) const {
+  return reached(control_.progress(peer, ProgressWord::Host).load(std::memory_order_acquire), at_least);
+}
+
 void HostMedium::signal(uint32_t value) { control_.signal_progress(value); }
 
 std::unique_ptr<SharedSegment> staging_segment(Rendezvous& rendezvous, const std::string& key, int rank, int world,
@@ -51,8 +55,13 @@ ShmExecutor::ShmExecutor(ControlBlock& control, Rendezvous& rendezvous, size_t s
 void ShmExecutor::run(const Collective& collective) {
   const WaitContext ctx = control_.begin(collective.signature, collective.timeout, collective.internal);
   try {
-    control_.start(collective.signature, ctx, collective.internal);
-    runner_->run(collective, ctx);
+    // A rank that came early stages what it can while the others arrive: after
+    // the last arrival that copy is no longer in anyone's way. Ranks that come
+    // together stage round by round as before, each round read while the next is staged.
+    control_.post(collective.signature, collective.internal);
+    const size_t staged = runner_->stage_ahead(collective, [&] { return !control_.all_posted(); });
+    control_.await_posted(ctx, collective.internal);
+    runner_->run(collective, ctx, staged);
   } catch (const Failure& failure) {
     control_.publish_failure(failure);
     throw;

@@ -30,6 +30,7 @@ class HostMedium final : public Medium {
   void reduce(DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs, size_t nsrc, size_t n,
               void* out, int divisor) override;
   void wait(int peer, uint32_t at_least, const WaitContext& ctx) override;
+  bool reached_now(int peer, uint32_t at_least) const override;
   void signal(uint32_t value) override;
 
  private:
