@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
-from torch_hca.ranks import start_ranks
+from torch_hca.ranks import rows_from_ranks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import alternating_medians  # noqa: E402
@@ -72,10 +71,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for world in args.world_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            start_ranks(worker, (world, f"file://{tmp}/store", f"{tmp}/rows.json"), world)
-            with open(f"{tmp}/rows.json") as f:
-                rows += json.load(f)
+        rows += rows_from_ranks(worker, world, lambda init, out: (world, init, out))
     print("| ranks | size | blocking | async | blocking again | async / blocking | again / blocking "
           "| overlap - sleep |")
     print("|---|---|---|---|---|---|---|---|")

@@ -25,7 +25,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -33,7 +32,7 @@ import torch.distributed as dist
 from torch_hca.bench import (OPS, alternating_samples, bus_factor, busy_processes, calls_per_batch, int_list_arg,
                              iterations, measure, median_seconds, parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
-from torch_hca.ranks import start_ranks
+from torch_hca.ranks import rows_from_ranks
 from torch_hca.reference import rank_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -465,11 +464,8 @@ def main(argv=None):
         for world, run_ops in runs:
             if not run_ops:
                 continue
-            with tempfile.TemporaryDirectory() as tmp:
-                out = os.path.join(tmp, "rows.json")
-                start_ranks(worker, (world, f"file://{tmp}/store", sizes, run_ops, out, device, pin), world)
-                with open(out) as f:
-                    rows += json.load(f)
+            rows += rows_from_ranks(worker, world,
+                                    lambda init, out: (world, init, sizes, run_ops, out, device, pin))
     batches = [r for r in rows if r.get("op") == "batch100"]
     latency = [r for r in rows if "mode" in r]
     choices = [r for r in rows if r.get("timing") == "alternating"]

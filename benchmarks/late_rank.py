@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
 from torch_hca.reference import all_gather_single, reduce_scatter_single
-from torch_hca.ranks import start_ranks
+from torch_hca.ranks import rows_from_ranks
 
 SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -91,10 +90,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for world in args.world_sizes:
-        with tempfile.TemporaryDirectory() as tmp:
-            start_ranks(worker, (world, f"file://{tmp}/store", args.late_ms, args.calls, f"{tmp}/rows.json"), world)
-            with open(f"{tmp}/rows.json") as f:
-                rows += json.load(f)
+        rows += rows_from_ranks(worker, world, lambda init, out: (world, init, args.late_ms, args.calls, out))
     print(f"us after the last rank arrived, median of {args.calls} calls; one rank late by {args.late_ms:g} ms")
     print("| ranks | op | size | all late | one late | ratio |")
     print("|---|---|---|---|---|---|")

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import print_speedups, ratios  # noqa: E402
 from torch_hca.bench import measure, parse_size, print_table, size_sweep  # noqa: E402
-from torch_hca.ranks import start_ranks  # noqa: E402
+from torch_hca.ranks import rows_from_ranks  # noqa: E402
 
 WORLD = 4
 
@@ -70,11 +69,7 @@ def main(argv=None):
         sizes = size_sweep(parse_size(args.min_bytes), parse_size(args.max_bytes), args.step)
     except ValueError as e:
         parser.error(f"--min-bytes, --max-bytes, --step: {e}")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        start_ranks(worker, (f"file://{tmp}/store", sizes, out), WORLD)
-        with open(out) as f:
-            rows = json.load(f)
+    rows = rows_from_ranks(worker, WORLD, lambda init, out: (init, sizes, out))
     print_table(rows)
     speedups = ratios(rows)
     print_speedups(speedups)

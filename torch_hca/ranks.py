@@ -1,6 +1,7 @@
 """Where the installed tools' ranks come from: torchrun's environment, or processes of their own."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -36,6 +37,16 @@ def start_ranks(fn, args, nprocs: int):
     it again, seconds of a short run per rank."""
     mp.set_forkserver_preload(["torch"])
     mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def rows_from_ranks(fn, nprocs: int, make_args):
+    """Starts fn(rank, *make_args(init_method, out)) on `nprocs` ranks (start_ranks), which meet
+    in a temporary file store; returns the JSON that one of them wrote to the file `out`."""
+    with tempfile.TemporaryDirectory(prefix="torch_hca-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        start_ranks(fn, make_args(f"file://{tmp}/store", out), nprocs)
+        with open(out) as f:
+            return json.load(f)
 
 
 def _spawned(rank, world, init_method, main, args):
