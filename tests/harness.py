@@ -6,11 +6,14 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import threading
 import time
 import traceback
+import weakref
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 
 class RankFailed(AssertionError):
@@ -151,3 +154,32 @@ def watch_until(finished):
         return seen[0] if seen else None
 
     return join
+
+
+class WaitingFinalizer:
+    """Python that runs when `obj` is freed and waits, off the main thread, until `go_on` is set
+    (as a finalizer may wait for something the group must do). `seen` says where it ran and
+    whether it was let go; `started` is set once it runs."""
+
+    def __init__(self, obj):
+        self.started, self.go_on, self.seen = threading.Event(), threading.Event(), {}
+        weakref.finalize(obj, self._run)
+
+    def _run(self):
+        self.seen["thread"] = threading.current_thread() is not threading.main_thread()
+        self.started.set()
+        if self.seen["thread"]:
+            self.seen["released"] = self.go_on.wait(20)
+
+    def completes_meanwhile(self, within_s=10.0):
+        """Whether an all-reduce issued now (polled, never waited: only hca's threads can run
+        it) completes within `within_s` while the finalizer waits; then lets the finalizer go."""
+        assert self.started.wait(20), "the tensor was never freed"
+        work = dist.all_reduce(torch.ones(1000), async_op=True)
+        deadline = time.monotonic() + within_s
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        completed = work.is_completed()
+        self.go_on.set()
+        work.wait()
+        return completed

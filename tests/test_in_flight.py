@@ -6,16 +6,14 @@ import os
 import threading
 import time
 import traceback
-import weakref
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_hca
-from harness import SMALL_CHUNKS, run_ranks
+from harness import SMALL_CHUNKS, WaitingFinalizer, run_ranks
 from node_cases import fsdp2_training
 from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
@@ -197,32 +195,17 @@ def _python_runs_when_the_worker_lets_go(rank, world):
     whose Work the caller dropped: the worker that ran it holds their last references. The
     finalizer, Python, waits for the group's next call, which must still run: the worker hands
     its role on before it lets go, and never frees them under the lock that calls run under."""
-    started, go_on, seen = threading.Event(), threading.Event(), {}
-
-    def finalizer():
-        seen["thread"] = threading.current_thread() is not threading.main_thread()
-        started.set()
-        if seen["thread"]:
-            seen["released"] = go_on.wait(20)
-
     inputs = [make_input(30, r, 200_000, torch.float32, "SUM") for r in range(world)]
     array = inputs[rank].numpy().copy()
-    weakref.finalize(array, finalizer)
+    finalizer = WaitingFinalizer(array)
     t, out = torch.from_numpy(array), torch.empty(200_000 * world)
     del array
     if rank == 0:
         time.sleep(0.2)  # rank 1's worker still runs the call when rank 1 lets go of it
     all_gather_single(out, t, async_op=True)
     del t
-    assert started.wait(20), "the tensor was never freed"
-    work = dist.all_reduce(torch.ones(1000), async_op=True)  # polled, never waited: the worker's
-    deadline = time.monotonic() + 10
-    while not work.is_completed() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    completed = work.is_completed()
-    go_on.set()
-    work.wait()
-    return completed, seen, mismatch("all_gather", out, torch.cat(inputs), 1)
+    completed = finalizer.completes_meanwhile()
+    return completed, finalizer.seen, mismatch("all_gather", out, torch.cat(inputs), 1)
 
 
 def test_python_run_by_a_call_the_worker_lets_go_may_wait_for_the_group():

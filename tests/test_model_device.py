@@ -6,9 +6,7 @@ to cuda:rank does; every test fails where the code ignores one of CUDA's rules."
 import os
 import re
 import signal
-import threading
 import time
-import weakref
 from datetime import timedelta
 
 import numpy as np
@@ -16,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks, watch_until
+from harness import SMALL_CHUNKS, STREAMS_ENV, WaitingFinalizer, run_ranks, watch_until
 from reference import make_input, mismatch, reduce_reference
 from test_in_flight import _ddp, _fsdp2
 
@@ -215,31 +213,15 @@ def _python_runs_when_a_call_lets_go(rank, world):
     """The executor lets go of a call's tensors on its watchdog thread once the device is done
     with them. Freeing one may run Python (here a numpy array's finalizer) that waits for
     something else the group must do: never while the executor's lock is held."""
-    started, go_on, seen = threading.Event(), threading.Event(), {}
-
-    def finalizer():
-        seen["thread"] = threading.current_thread() is not threading.main_thread()
-        started.set()
-        seen["released"] = go_on.wait(20)
-
     array = np.ones(200_000, dtype=np.float32)
-    weakref.finalize(array, finalizer)
+    finalizer = WaitingFinalizer(array)
     t = torch.from_numpy(array)
     del array
     if rank == 0:
         time.sleep(0.2)  # the call is still running when its only holder is the executor
     dist.all_reduce(t, async_op=True)
     del t
-    assert started.wait(20), "the tensor was never freed"
-    # While the finalizer waits: another call must be issued and finish.
-    work = dist.all_reduce(torch.ones(1000), async_op=True)
-    deadline = time.monotonic() + 10
-    while not work.is_completed() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    completed = work.is_completed()
-    go_on.set()
-    work.wait()
-    return completed, seen
+    return finalizer.completes_meanwhile(), finalizer.seen
 
 
 def test_python_run_by_freeing_a_finished_calls_tensors_may_wait_for_the_group():
