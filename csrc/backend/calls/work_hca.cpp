@@ -293,13 +293,15 @@ void WorkQueueState::loop(int me) {
 
 void WorkQueueState::release(c10::intrusive_ptr<WorkHCA> work, int me, std::unique_lock<std::mutex>& lock) {
   // Freeing a call's tensors (its closure's, its outputs) may run Python, a finalizer, that
-  // waits for the group's next call. So the runner never frees a Work's last reference: it
-  // hands its role on first, and the next call does not wait for this thread.
+  // waits for the group's next call. So the runner does not free a Work nobody else holds: it
+  // hands its role on first, and the next call does not wait for this thread. The closure goes
+  // now in any case: what it holds may be what the next call waits for (a stream call's ticket).
   if (work.use_count() == 1) {
     lock.lock();
     if (runner_ == me && !stop_) hand_off();
     lock.unlock();
   }
+  work->release_body();
   work.reset();  // not under mutex_
 }
 
