@@ -79,21 +79,24 @@ void RoundRunner::run(const Collective& collective, const WaitContext& ctx, size
   }
 }
 
-void RoundRunner::reuse_slot(uint64_t round, const WaitContext& ctx) {
+uint32_t RoundRunner::slot_released_at(uint64_t round) const {
   // Our slot for this round last held round - slots, which peers read until
   // they staged the round after it.
   const uint64_t slots = static_cast<uint64_t>(medium_.slots());
-  if (round <= slots) return;
-  for (int peer = 0; peer < world_; ++peer) {
-    if (peer != rank_) medium_.wait(peer, progress_value(round - slots + 1, 1), ctx);
+  return round <= slots ? 0 : progress_value(round - slots + 1, 1);
+}
+
+void RoundRunner::reuse_slot(uint64_t round, const WaitContext& ctx) {
+  const uint32_t released = slot_released_at(round);
+  for (int peer = 0; released != 0 && peer < world_; ++peer) {
+    if (peer != rank_) medium_.wait(peer, released, ctx);
   }
 }
 
 bool RoundRunner::slot_free_now(uint64_t round) const {
-  const uint64_t slots = static_cast<uint64_t>(medium_.slots());
-  if (round <= slots) return true;
-  for (int peer = 0; peer < world_; ++peer) {
-    if (peer != rank_ && !medium_.reached_now(peer, progress_value(round - slots + 1, 1))) return false;
+  const uint32_t released = slot_released_at(round);
+  for (int peer = 0; released != 0 && peer < world_; ++peer) {
+    if (peer != rank_ && !medium_.reached_now(peer, released)) return false;
   }
   return true;
 }

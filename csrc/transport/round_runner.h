@@ -35,6 +35,10 @@ class RoundRunner {
  private:
   struct RoundState;
   void read_plan(const Collective& collective);
+  // The progress value each peer reaches once done with this rank's slot for
+  // `round` (0: the slot was never used), which reuse_slot waits for and
+  // slot_free_now looks at.
+  uint32_t slot_released_at(uint64_t round) const;
   void reuse_slot(uint64_t round, const WaitContext& ctx);
   bool slot_free_now(uint64_t round) const;
   void stage_inputs(const RoundState& state);
