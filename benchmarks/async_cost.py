@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
-from torch_hca.ranks import rows_from_ranks
+from torch_hca.ranks import rows_from_ranks, write_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import alternating_medians  # noqa: E402
@@ -58,9 +58,7 @@ def worker(rank, world, init, out):
                 fn()
         medians = alternating_medians(modes, dict.fromkeys(modes, CALLS), timer_group, BATCHES)
         rows.append(dict(world_size=world, size=nbytes, **{mode: s * 1e6 for mode, s in medians.items()}))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+    write_rows(rank, rows, out)
     dist.destroy_process_group()
 
 

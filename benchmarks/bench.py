@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch_hca.bench import (OPS, alternating_samples, bus_factor, busy_processes, calls_per_batch, int_list_arg,
                              iterations, measure, median_seconds, parse_size, print_table, size_sweep)
 from torch_hca.costs import CANDIDATES
-from torch_hca.ranks import rows_from_ranks
+from torch_hca.ranks import rows_from_ranks, write_rows
 from torch_hca.reference import rank_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -250,9 +250,7 @@ def worker(rank, world, init, sizes, ops, out_path, device, pin):
         group = dist.new_group(backend=backend, pg_options=options) if backend != "gloo" else timer_group
         for op in ops:
             rows += measure(label, op, group, sizes, torch.float32, dev, timer_group, on_row=report)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+    write_rows(rank, rows, out_path)
     dist.destroy_process_group()
 
 

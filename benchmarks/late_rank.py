@@ -22,10 +22,11 @@ import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
 from torch_hca.reference import all_gather_single, reduce_scatter_single
-from torch_hca.ranks import rows_from_ranks
+from torch_hca.ranks import rows_from_ranks, write_rows
 
 SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+WARMUP = 3  # calls before the timed ones
 
 
 def compute_for(seconds):
@@ -49,7 +50,7 @@ def caller(op, numel, world, group):
 def after_last_arrival_us(rank, world, run, late_s, one_late, calls):
     """The median over `calls` of (last exit - last entry), us; every rank returns the same."""
     spans = []
-    for i in range(calls + 3):  # 3 to warm up
+    for i in range(WARMUP + calls):
         dist.barrier()  # hca's own: the ranks leave it within microseconds of each other
         if not one_late or rank == i % world:
             compute_for(late_s)
@@ -58,7 +59,7 @@ def after_last_arrival_us(rank, world, run, late_s, one_late, calls):
         spans.append([entered, time.monotonic_ns()])
     every = [torch.empty(len(spans), 2, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, torch.tensor(spans))
-    last = torch.stack(every).max(dim=0).values[3:]  # per call: the last entry, the last exit
+    last = torch.stack(every).max(dim=0).values[WARMUP:]  # per call: the last entry, the last exit
     return statistics.median(((last[:, 1] - last[:, 0]) / 1e3).tolist())
 
 
@@ -75,9 +76,7 @@ def worker(rank, world, init, late_ms, calls, out):
             for key, one_late in (("all late", False), ("one late", True)):
                 row[key] = after_last_arrival_us(rank, world, run, late_ms / 1e3, one_late, calls)
             rows.append(row)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
+    write_rows(rank, rows, out)
     dist.destroy_process_group()
 
 

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench import print_speedups, ratios  # noqa: E402
 from torch_hca.bench import measure, parse_size, print_table, size_sweep  # noqa: E402
-from torch_hca.ranks import rows_from_ranks  # noqa: E402
+from torch_hca.ranks import rows_from_ranks, write_rows  # noqa: E402
 
 WORLD = 4
 
@@ -52,9 +52,7 @@ def worker(rank, init, sizes, out_path):
             os.environ["TORCH_HCA_NODE_ID"] = node_of(rank)  # read when the group is created
             group = dist.new_group(backend="hca", pg_options=options)
         rows += measure(label, "all_reduce", group, sizes, torch.float32, torch.device("cpu"), timer_group)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+    write_rows(rank, rows, out_path)
     dist.destroy_process_group()
 
 

@@ -49,6 +49,13 @@ def rows_from_ranks(fn, nprocs: int, make_args):
             return json.load(f)
 
 
+def write_rows(rank, rows, out):
+    """On rank 0, `rows` as the JSON that rows_from_ranks reads back from `out`."""
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
 def _spawned(rank, world, init_method, main, args):
     import torch_hca  # noqa: F401  (registers "hca" in the spawned interpreter)
 
