@@ -1,8 +1,9 @@
 """Waits beside other busy processes, and ranks sharing a CPU. A wait whose yield came back late
 sleeps on doorbells from then on only if processes outside the group kept the cores busy;
 torch_hca._C._outside_cores measures that as the wait does (/proc), and the collectives stay right
-while it decides. A wait for a rank that said it runs on the waiter's own CPU does not spin. A rank
-that comes early stages its data while it waits for the late ones."""
+while it decides. A wait for a rank that said it runs on the waiter's own CPU does not spin, and
+ranks that keep meeting on one CPU part where they may. A rank that comes early stages its data
+while it waits for the late ones."""
 import functools
 import os
 import random
@@ -98,6 +99,36 @@ def test_ranks_sharing_a_cpu(world, layout):
     for rank, (errors, said) in enumerate(results):
         assert errors == []
         assert said == expected, f"rank {rank} read the ranks' CPUs {said}, pinned {expected}"
+
+
+def _calls_after_starting_on_one_cpu(rank, world, allowed, calls):
+    """The ranks began on one CPU (pinned before the group), may now run on all `allowed`: small
+    all-reduces, every element checked, then the CPUs the ranks say they run on."""
+    inputs = [[make_input(call, r, 1, torch.float32, "SUM") for r in range(world)] for call in range(calls)]
+    results = [call_inputs[rank].clone() for call_inputs in inputs]
+    os.sched_setaffinity(0, allowed)  # this thread, the one the blocking calls wait on
+    for t in results:  # back to back: Python between the calls gives the scheduler time to part them
+        dist.all_reduce(t)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    said = [backend._cpu_said_by(r) for r in range(world)]
+    errors = [mismatch(f"allreduce #{call}", t, reduce_reference(inputs[call], "SUM"), world)
+              for call, t in enumerate(results)]
+    return [e for e in errors if e], said
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_on_one_cpu_part_when_they_may(world):
+    """Ranks that share a CPU take turns on it (a small call 3-4x slower), and Linux leaves them so
+    for tens of milliseconds (500-1000 such calls here): a rank that keeps waiting for a lower one
+    on its own CPU moves to an allowed CPU no rank runs on, within a few calls."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < world:
+        pytest.skip(f"{world} ranks need {world} CPUs to part on, this process may use {len(allowed)}")
+    results = run_ranks(_calls_after_starting_on_one_cpu, world, set(allowed), 100,
+                        before_init=functools.partial(_pin, allowed[:1]))
+    for rank, (errors, said) in enumerate(results):
+        assert errors == []
+        assert len(set(said)) == world, f"rank {rank}: the ranks said they run on CPUs {said} after 100 calls"
 
 
 def _calls_with_a_late_rank(rank, world, calls):

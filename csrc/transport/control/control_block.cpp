@@ -149,7 +149,11 @@ void ControlBlock::await(int peer, Ready ready, const WaitContext& ctx) const {
   const int here = say_where_this_rank_runs();
   // The peer said last that it ran here; it does not run while this thread does (where it moved
   // since, a yield returns at once and the wait goes on). -1: sched_getcpu failed, nothing known.
-  const bool peer_may_be_running = here < 0 || theirs.placement.cpu.load(std::memory_order_relaxed) != here;
+  bool peer_may_be_running = here < 0 || theirs.placement.cpu.load(std::memory_order_relaxed) != here;
+  if (!peer_may_be_running && peer < rank_ &&
+      shared_cpu_escape_.after_shared_wait(here, world_, rank_, [this](int r) { return cpu_said_by(r); })) {
+    peer_may_be_running = say_where_this_rank_runs() != here;
+  }
   try {
     // This rank's own failure ends the wait too: an abort from another thread.
     auto done = [&] {

@@ -16,6 +16,7 @@
 #include "../rendezvous.h"
 #include "failure.h"
 #include "outside_load.h"
+#include "shared_cpu.h"
 #include "segment.h"
 #include "wait.h"
 
@@ -210,6 +211,7 @@ class ControlBlock {
   uint64_t monitored_ = 0;    // monitored barriers entered by this rank
   std::mutex publishing_;     // collectives and point-to-point fail on different threads
   mutable OutsideLoad outside_load_;  // asked after a wait's late yield
+  mutable SharedCpuEscape shared_cpu_escape_;  // told of waits for a peer on the waiter's CPU
 };
 
 }  // namespace hca
