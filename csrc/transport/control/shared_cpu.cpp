@@ -28,9 +28,10 @@ bool SharedCpuEscape::after_shared_wait(int here, int world, int rank, const std
   }
   if (in_a_row_.fetch_add(1, std::memory_order_relaxed) + 1 < kWaitsInARow) return false;
   in_a_row_.store(0, std::memory_order_relaxed);
-  if (now - last_move_.load(std::memory_order_relaxed) < std::chrono::duration_cast<Clock::duration>(kMovesApart).count()) {
+  if (now - last_look_.load(std::memory_order_relaxed) < std::chrono::duration_cast<Clock::duration>(kLooksApart).count()) {
     return false;
   }
+  last_look_.store(now, std::memory_order_relaxed);
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   if (sched_getaffinity(0, sizeof allowed, &allowed) != 0 || CPU_COUNT(&allowed) < world) return false;
@@ -41,7 +42,6 @@ bool SharedCpuEscape::after_shared_wait(int here, int world, int rank, const std
   }
   const int unclaimed_count = CPU_COUNT(&unclaimed);
   if (unclaimed_count == 0) return false;
-  last_move_.store(now, std::memory_order_relaxed);
   // Ranks that move at once spread over those CPUs rather than meet on the first.
   for (int cpu = 0, skip = rank % unclaimed_count; cpu < CPU_SETSIZE; ++cpu) {
     if (CPU_ISSET(cpu, &unclaimed) && skip-- == 0) return move_this_thread(cpu, allowed);

@@ -20,8 +20,10 @@ class SharedCpuEscape {
   // Shared waits, each within kWithin of the last, before a move.
   static constexpr int kWaitsInARow = 8;
   static constexpr std::chrono::microseconds kWithin{1000};
-  // At most one move per group in this long: a move the scheduler undoes at once costs one per period.
-  static constexpr std::chrono::milliseconds kMovesApart{10};
+  // At most one look at the CPUs (and move) per group in this long. A move costs ~35 us here; the
+  // scheduler may undo it, or move the peer onto the same CPU at the same time, so the next may be
+  // needed soon. Ranks that outnumber the CPUs share them for good, and look once per period.
+  static constexpr std::chrono::milliseconds kLooksApart{1};
 
   // After a wait of this thread, on CPU `here`, found the lower rank it waits for on `here`
   // too. `world`: the group's ranks; `cpu_said_by(r)`: the CPU rank r said it runs on.
@@ -33,7 +35,7 @@ class SharedCpuEscape {
   std::atomic<int> in_a_row_{0};
   std::atomic<int> cpu_{-1};                  // where the shared waits in a row were
   std::atomic<Clock::rep> last_shared_{0};    // when the last one was
-  std::atomic<Clock::rep> last_move_{0};
+  std::atomic<Clock::rep> last_look_{0};
 };
 
 }  // namespace hca
