@@ -100,3 +100,14 @@ def test_score_choice_counts_where_a_models_choice_came_within_5_percent_of_the_
     with pytest.raises(SystemExit):
         score_choice.main([str(run), "--cache", str(tmp_path / "empty")])
     assert "no calibration" in capsys.readouterr().err
+
+
+def test_shared_cpu_counts_slow_batches_and_those_that_ended_on_one_cpu():
+    import shared_cpu
+
+    rows = [dict(median_us=6.0, cpus_before=[0, 1], cpus_after=[0, 1]),
+            dict(median_us=25.0, cpus_before=[0, 1], cpus_after=[1, 1]),  # met during the batch
+            dict(median_us=7.0, cpus_before=[0, 0], cpus_after=[1, 0]),  # parted during it
+            dict(median_us=13.0, cpus_before=[1, 0], cpus_after=[1, 0])]
+    assert shared_cpu.summary(rows) == dict(batches=4, median_us=10.0, max_us=25.0, over_twice_the_median=1,
+                                            ended_sharing_a_cpu=1)
