@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
+#include "../c10d_overrides.hpp"
 #include "../group/group_life.hpp"
 
 namespace hca {
@@ -65,22 +66,7 @@ class EngineBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
     return calls_.close_window(getRank());
   }
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& output_splits,
-                                               std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  HCA_OVERRIDE_GATHERS_AND_MESSAGES
 
  protected:
   CallRecorder calls_;  // every public call goes through it (issue)
