@@ -46,6 +46,14 @@ def _ip(*args, netns=None):
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def store_port(salt):
+    """A port for a case's TCPStore, from `salt`: 20000-31999, below Linux's ephemeral range (32768
+    and up), where outgoing connections take their ports. A port there may be held by one, even a
+    rank's own connection to the store before it listens, given that very port (TCP's self-connect):
+    rank 0's listen on 32784 failed with EADDRINUSE once, and the other ranks timed out."""
+    return 20000 + salt % 12000
+
+
 class TwoHosts:
     """Two network namespaces joined by a veth pair, addresses 10.<n>.0.1 and 10.<n>.0.2."""
 
@@ -84,7 +92,7 @@ class TwoHosts:
         returns each rank's value (None for a rank in `allow_missing` that left none)."""
         placement = [node for node, size in enumerate(node_sizes) for _ in range(size)]
         self.runs = getattr(self, "runs", 0) + 1
-        port = 20000 + (os.getpid() * 7 + self.runs * 101) % 20000
+        port = store_port(os.getpid() * 7 + self.runs * 101)
         wrappers = [["ip", "netns", "exec", self.netns[node], "unshare", "--uts", "--mount", "--", "sh", "-c",
                      f'{self.shm.mount(node)} && hostname {self.hostnames[node]} && exec "$@"', "sh"]
                     for node in placement]
@@ -133,7 +141,7 @@ def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, dea
     """Runs node_cases.<case> on len(shm) ranks of this host, as containers would: rank r sees
     the host's /dev/shm where shm[r] is None, else the tmpfs (of `shm_size`) of simulated node
     shm[r] (ranks with one value share it), and has the hostname hostnames[r] (None: the host's)."""
-    port = 20000 + (os.getpid() * 17) % 20000
+    port = store_port(os.getpid() * 17)
     with NodeShm(max((n for n in shm if n is not None), default=-1) + 1, shm_size) as nodes:
         wrappers = []
         for node, hostname in zip(shm, hostnames):
@@ -156,7 +164,7 @@ def run_in_pid_namespaces(case, world, isolated, args=(), env=None, timeout_s=30
     """Runs node_cases.<case> on `world` ranks of this host; each rank in `isolated` in a pid
     namespace of its own (as in a container sharing /dev/shm and the hostname: --ipc=host),
     as pid 2 there (the namespace's init, pid 1, ignores the signals it sends itself)."""
-    port = 20000 + (os.getpid() * 13) % 20000
+    port = store_port(os.getpid() * 13)
     wrappers = [["unshare", "--pid", "--fork", "--", "sh", "-c", '"$@"; exit $?', "sh"] if rank in isolated else []
                 for rank in range(world)]
     envs = [dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for _ in range(world)]
