@@ -19,6 +19,9 @@ alternate so that all see the same moments of the machine:
          the step's order and as it issued them: DDP's buckets (as DDP rebuilt them) all-reduced
          async, then waited; FSDP2's all-gathers and reduce-scatters (recorded during a step),
          each waited before the next as FSDP2 does on CPU.
+  after_compute  (with --after-compute) `local`, then the collectives as `alone` replays them: they
+         find the caches as a step's compute leaves them (in `alone` they find them warm from the
+         replay before); only the collectives are timed at each call.
 
 comm = step - local is what communication costs the step; share = comm / alone compares it with
 the collectives' own time (1.0: nothing lost around them; below 1: overlapped with the backward
@@ -230,6 +233,16 @@ def replay(calls):
     return run
 
 
+def replays(local, collectives, spans):
+    """The modes `alone` and `after_compute` (module docstring), their collectives timed into spans."""
+    alone, timed_after = timed(spans["alone"], collectives), timed(spans["after_compute"], collectives)
+
+    def after_compute():
+        local()
+        timed_after()
+    return dict(alone=alone, after_compute=after_compute)
+
+
 def training_step(model, opt, batch):
     x, y = batch
     opt.zero_grad()
@@ -264,10 +277,10 @@ def ddp_modes(model, batches, world, bucket_view=False):
     info = ddp._get_ddp_logging_data()
     sizes = [int(s) for s in str(info.get("rebuilt_bucket_sizes") or info["bucket_sizes"]).split(",")]
     calls = [("allreduce", nbytes // 4, nbytes // 4, torch.float32, True) for nbytes in sizes]
-    spans = dict(step=[], alone=[])
+    spans = dict(step=[], alone=[], after_compute=[])
     return (dict(step=timed(spans["step"], step), local=local,
                  bookkeeping=lambda: training_step(bookkeeping, bookkeeping_opt, next(batches)),
-                 alone=timed(spans["alone"], replay(calls))),
+                 **replays(local, replay(calls), spans)),
             dict(buckets=len(sizes), bytes=sum(sizes), bucket_bytes=sizes, spans=spans))
 
 
@@ -304,9 +317,10 @@ def fsdp2_modes(model, batches, world):
     with recorded_collectives(calls):
         step()
     moved = sum(out * dtype.itemsize for kind, out, inp, dtype, async_op in calls)
-    spans = dict(step=[], alone=[])
-    return (dict(step=timed(spans["step"], step), local=lambda: training_step(plain, plain_opt, next(batches)),
-                 bookkeeping=bookkeeping, alone=timed(spans["alone"], replay(calls))),
+    spans = dict(step=[], alone=[], after_compute=[])
+    local = lambda: training_step(plain, plain_opt, next(batches))  # noqa: E731
+    return (dict(step=timed(spans["step"], step), local=local, bookkeeping=bookkeeping,
+                 **replays(local, replay(calls), spans)),
             dict(collectives=len(calls), bytes=moved, spans=spans,
                  calls=[[kind, out, inp, str(dtype), async_op] for kind, out, inp, dtype, async_op in calls]))
 
@@ -314,7 +328,7 @@ def fsdp2_modes(model, batches, world):
 WRAPPERS = {"ddp": ddp_modes, "ddp-bucket-view": lambda *a: ddp_modes(*a, bucket_view=True), "fsdp2": fsdp2_modes}
 
 
-def measure(rank, world, model_name, wrapper, steps, batches):
+def measure(rank, world, model_name, wrapper, steps, batches, after_compute=False):
     """(seconds per mode, what one step sent) for this rank."""
     torch.manual_seed(0)
     model, make_batch = MODELS[model_name]()
@@ -322,6 +336,8 @@ def measure(rank, world, model_name, wrapper, steps, batches):
     data = [make_batch(g) for _ in range(4)]
     stream = (data[i % len(data)] for i in range(1 << 30))
     modes, traffic = WRAPPERS[wrapper](model, stream, world)
+    if not after_compute:
+        del modes["after_compute"]
     seconds = alternating_medians(modes, dict.fromkeys(modes, steps), dist.group.WORLD, batches)
     for mode, spans in traffic.pop("spans", {}).items():
         for what, ms in meeting_times(spans, steps * batches, dist.group.WORLD).items():
@@ -329,14 +345,14 @@ def measure(rank, world, model_name, wrapper, steps, batches):
     return seconds, traffic
 
 
-def worker(rank, world, init, contender, model_name, wrapper, steps, batches, out_path):
+def worker(rank, world, init, contender, model_name, wrapper, steps, batches, after_compute, out_path):
     import torch_hca  # noqa: F401
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2's, about our Sequential
     label, backend, options = [c for c in contenders(world) if c[0] == contender][0]
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, pg_options=options)
-    seconds, traffic = measure(rank, world, model_name, wrapper, steps, batches)
+    seconds, traffic = measure(rank, world, model_name, wrapper, steps, batches, after_compute)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(dict(model=model_name, wrapper=wrapper, contender=label, world_size=world,
@@ -348,15 +364,16 @@ def worker(rank, world, init, contender, model_name, wrapper, steps, batches, ou
     dist.destroy_process_group()
 
 
-def launch(world, contender, model_name, wrapper, steps, batches):
+def launch(world, contender, model_name, wrapper, steps, batches, after_compute=False):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        start_ranks(worker, (world, f"file://{tmp}/store", contender, model_name, wrapper, steps, batches, out), world)
+        start_ranks(worker, (world, f"file://{tmp}/store", contender, model_name, wrapper, steps, batches,
+                             after_compute, out), world)
         with open(out) as f:
             return json.load(f)
 
 
-TIMED_AT_EACH_CALL = [f"{mode}_collectives_{what}_ms" for mode in ("step", "alone")
+TIMED_AT_EACH_CALL = [f"{mode}_collectives_{what}_ms" for mode in ("step", "alone", "after_compute")
                       for what in ("inside", "after_last_arrival", "cpu")]
 
 
@@ -377,8 +394,9 @@ def summarize(rows):
         row["in_step_share"] = row["in_step_ms"] / row["alone_ms"]
         for m in TIMED_AT_EACH_CALL:
             row[m] = statistics.median(r.get(m, float("nan")) for r in runs)
-        row["after_arrival_share"] = (row["step_collectives_after_last_arrival_ms"] /
-                                      row["alone_collectives_after_last_arrival_ms"])
+        for mode in ("alone", "after_compute"):
+            row[f"after_arrival_share_{mode}"] = (row["step_collectives_after_last_arrival_ms"] /
+                                                  row[f"{mode}_collectives_after_last_arrival_ms"])
         table.append(row)
     for row in table:
         gloo = next((r for r in table if r["contender"] == "gloo" and
@@ -405,19 +423,28 @@ def print_meetings(table):
     rows = [r for r in table if not math.isnan(r["step_collectives_inside_ms"])]
     if not rows:
         return
+    after_compute = any(not math.isnan(r["after_compute_collectives_after_last_arrival_ms"]) for r in rows)
     print("\n# collectives timed at each call, ms per step: inside them, after the last rank arrived (the rest "
           "waited for peers' compute; DDP: from the last rank's last bucket to the last all-reduce's end), and their "
           "CPU time on the calling thread (gloo's is on threads of its own; DDP: issuing them)")
-    print("| ranks | model | wrapper | contender | in step: inside | waiting for peers | after last arrival | CPU "
-          "| alone: inside | after last arrival | CPU | after last arrival, in step/alone | CPU, in step/alone |")
-    print("|" + "---|" * 13)
+    header = ["ranks", "model", "wrapper", "contender", "in step: inside", "waiting for peers", "after last arrival",
+              "CPU", "alone: inside", "after last arrival", "CPU", "after last arrival, in step/alone",
+              "CPU, in step/alone"]
+    if after_compute:
+        header += ["after compute: after last arrival", "after last arrival, in step/after compute"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for r in rows:
         inside, after = r["step_collectives_inside_ms"], r["step_collectives_after_last_arrival_ms"]
-        print(f"| {r['world_size']} | {r['model']} | {r['wrapper']} | {r['contender']} | {inside:.1f} "
-              f"| {inside - after:.1f} | {after:.1f} | {r['step_collectives_cpu_ms']:.1f} "
-              f"| {r['alone_collectives_inside_ms']:.1f} | {r['alone_collectives_after_last_arrival_ms']:.1f} "
-              f"| {r['alone_collectives_cpu_ms']:.1f} | {r['after_arrival_share']:.2f} "
-              f"| {r['step_collectives_cpu_ms'] / r['alone_collectives_cpu_ms']:.2f} |")
+        cells = [r["world_size"], r["model"], r["wrapper"], r["contender"], f"{inside:.1f}", f"{inside - after:.1f}",
+                 f"{after:.1f}", f"{r['step_collectives_cpu_ms']:.1f}", f"{r['alone_collectives_inside_ms']:.1f}",
+                 f"{r['alone_collectives_after_last_arrival_ms']:.1f}", f"{r['alone_collectives_cpu_ms']:.1f}",
+                 f"{r['after_arrival_share_alone']:.2f}",
+                 f"{r['step_collectives_cpu_ms'] / r['alone_collectives_cpu_ms']:.2f}"]
+        if after_compute:
+            cells += [f"{r['after_compute_collectives_after_last_arrival_ms']:.1f}",
+                      f"{r['after_arrival_share_after_compute']:.2f}"]
+        print("| " + " | ".join(map(str, cells)) + " |")
 
 
 def plot(table, path, title):
@@ -480,6 +507,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, default=6, help="timed batches per mode in a launch")
     parser.add_argument("--short", action="store_true",
                         help="1 round, 2 steps x 4 batches, DDP and FSDP2 only (what make run runs)")
+    parser.add_argument("--after-compute", action="store_true",
+                        help="also time the collectives right after a step's compute (mode after_compute)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     if args.short:
@@ -492,7 +521,7 @@ def main(argv=None):
             for wrapper in args.wrappers.split(","):
                 for rnd in range(args.rounds):
                     for contender in labels[::1 if rnd % 2 == 0 else -1]:
-                        row = launch(world, contender, model, wrapper, args.steps, args.batches)
+                        row = launch(world, contender, model, wrapper, args.steps, args.batches, args.after_compute)
                         print(f"  {world} ranks {model} {wrapper} {contender} round {rnd}: step {row['step_ms']:.1f} "
                               f"local {row['local_ms']:.1f} alone {row['alone_ms']:.1f} ms", flush=True)
                         rows.append(dict(row, round=rnd))

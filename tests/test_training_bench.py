@@ -27,7 +27,8 @@ def test_training_benchmark_names_a_wrong_argument_before_any_launch(args, needl
 @pytest.mark.parametrize("world", [2, 3])  # FSDP2 issues no collectives at 1
 def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
     result = training.main(["--models", "tiny", "--world-sizes", str(world), "--wrappers", "ddp,fsdp2",
-                            "--rounds", "1", "--steps", "1", "--batches", "2", "--out", str(tmp_path)])
+                            "--rounds", "1", "--steps", "1", "--batches", "2", "--out", str(tmp_path)]
+                           + ["--after-compute"] * (world == 3))
     model, _ = training.tiny()
     numels = [sum(p.numel() for p in layer.parameters()) for layer in model if list(layer.parameters())]
     # FSDP2 pads each parameter's dim 0 to a multiple of the world size.
@@ -36,11 +37,13 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
     launches = result["launches"]
     assert {(r["wrapper"], r["contender"]) for r in launches} == {
         (w, c) for w in ("ddp", "fsdp2") for c, _, _ in training.contenders(world)}
+    replays = ("alone", "after_compute") if world == 3 else ("alone",)
     for r in launches:
-        assert all(r[f"{m}_ms"] > 0 for m in ("step", "local", "bookkeeping", "alone")), r
+        assert all(r[f"{m}_ms"] > 0 for m in ("step", "local", "bookkeeping") + replays), r
+        assert ("after_compute_ms" in r) == (world == 3), r  # timed where asked for only
         if r["wrapper"] == "ddp":
             assert sum(r["bucket_bytes"]) == r["bytes"] == 4 * sum(numels)
-            for mode in ("step", "alone"):  # DDP's buckets, timed at each call through torch's allreduce_hook
+            for mode in ("step",) + replays:  # DDP's buckets, timed at each call through torch's allreduce_hook
                 assert 0 <= r[f"{mode}_collectives_after_last_arrival_ms"] <= r[f"{mode}_collectives_inside_ms"], r
         else:
             gathers = [c for c in r["calls"] if c[0] == "gather"]
@@ -48,7 +51,7 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
             assert sorted(c[2] for c in scatters) == sorted(padded)  # each layer's gradients, once
             assert {c[1] for c in gathers} == set(padded) and len(gathers) >= len(padded)
             assert all(c[1] * world == c[2] for c in scatters) and all(c[2] * world == c[1] for c in gathers)
-            for mode in ("step", "alone"):  # FSDP2's collectives, timed at each call
+            for mode in ("step",) + replays:  # FSDP2's collectives, timed at each call
                 assert 0 <= r[f"{mode}_collectives_after_last_arrival_ms"] <= r[f"{mode}_collectives_inside_ms"], r
                 assert 0 <= r[f"{mode}_collectives_cpu_ms"] <= r[f"{mode}_collectives_inside_ms"] + 1, r
     table = result["table"]
