@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch_hca
 from torch_hca.bench import busy_processes
 from harness import SMALL_CHUNKS, run_ranks
+from sched_slice import custom_slices_supported, set_slice_ns, slice_ns
 from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 # The share of a core above which a wait blames outsiders (OutsideLoad::kBusyCores).
@@ -129,6 +130,44 @@ def test_ranks_on_one_cpu_part_when_they_may(world):
     for rank, (errors, said) in enumerate(results):
         assert errors == []
         assert len(set(said)) == world, f"rank {rank}: the ranks said they run on CPUs {said} after 100 calls"
+
+
+def _slices_of_async_calls(rank, world):
+    """Async all-reduces, waited on through their Futures (as DDP waits for its buckets), first while
+    the calling thread has the default slice, then after it asked for 3 ms. In each call one rank
+    (in turn) comes 0.1 s late, so that on the others the call is still running when the Future's
+    callback is added: the callback then runs on the thread that ran the call, and reads its slice."""
+    errors, slices = [], []
+    for call, (own_slice, late) in enumerate((s, r) for s in (None, 3_000_000) for r in range(world)):
+        if own_slice is not None:
+            set_slice_ns(own_slice)
+        before = slice_ns()
+        inputs = [make_input(call, r, 100_000, torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        if rank == late:
+            time.sleep(0.1)
+        future = dist.all_reduce(t, async_op=True).get_future().then(lambda _: slice_ns())
+        running_it = future.wait()
+        if rank != late:
+            slices.append((before, running_it, slice_ns()))
+        errors.append(mismatch(f"call {call}", t, reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e], slices
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_worker_asks_to_run_soon_when_woken(world):
+    """A rank woken by its peer waits for its turn on the CPU (a time slice, 1.4 ms here) unless it
+    asked for a short slice (Linux 6.12+): hca's worker thread, which runs async calls beside the
+    caller's compute, has the shortest; the caller's thread keeps its own."""
+    if not custom_slices_supported():
+        pytest.skip("this kernel keeps no slice a thread asks for (Linux before 6.12)")
+    for rank, (errors, slices) in enumerate(run_ranks(_slices_of_async_calls, world)):
+        assert errors == []
+        assert len(slices) == 2 * (world - 1)  # each rank on time in world - 1 calls of each kind
+        default = slices[0][0]
+        assert [running_it for _, running_it, _ in slices] == [100_000] * len(slices), f"rank {rank}: {slices}"
+        assert [(before, after) for before, _, after in slices] == (
+            [(default, default)] * (world - 1) + [(3_000_000, 3_000_000)] * (world - 1)), f"rank {rank}: {slices}"
 
 
 def _calls_with_a_late_rank(rank, world, calls):

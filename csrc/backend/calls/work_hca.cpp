@@ -2,6 +2,7 @@
 
 #include <ATen/core/jit_type.h>
 
+#include "../../transport/control/thread_slice.h"
 #include "../../transport/shm/progress.h"
 
 namespace hca {
@@ -253,6 +254,7 @@ c10::intrusive_ptr<WorkHCA> WorkQueueState::take_front() {
 }
 
 void WorkQueueState::loop(int me) {
+  prefer_prompt_wakeups();  // its collectives run beside the caller's compute
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     if (runner_ != me) {
