@@ -394,9 +394,9 @@ def summarize(rows):
         row["in_step_share"] = row["in_step_ms"] / row["alone_ms"]
         for m in TIMED_AT_EACH_CALL:
             row[m] = statistics.median(r.get(m, float("nan")) for r in runs)
-        for mode in ("alone", "after_compute"):
-            row[f"after_arrival_share_{mode}"] = (row["step_collectives_after_last_arrival_ms"] /
-                                                  row[f"{mode}_collectives_after_last_arrival_ms"])
+        # after_arrival_share: the key earlier result files have, in step / alone
+        for key, mode in (("after_arrival_share", "alone"), ("after_arrival_share_after_compute", "after_compute")):
+            row[key] = row["step_collectives_after_last_arrival_ms"] / row[f"{mode}_collectives_after_last_arrival_ms"]
         table.append(row)
     for row in table:
         gloo = next((r for r in table if r["contender"] == "gloo" and
@@ -439,7 +439,7 @@ def print_meetings(table):
         cells = [r["world_size"], r["model"], r["wrapper"], r["contender"], f"{inside:.1f}", f"{inside - after:.1f}",
                  f"{after:.1f}", f"{r['step_collectives_cpu_ms']:.1f}", f"{r['alone_collectives_inside_ms']:.1f}",
                  f"{r['alone_collectives_after_last_arrival_ms']:.1f}", f"{r['alone_collectives_cpu_ms']:.1f}",
-                 f"{r['after_arrival_share_alone']:.2f}",
+                 f"{r['after_arrival_share']:.2f}",
                  f"{r['step_collectives_cpu_ms'] / r['alone_collectives_cpu_ms']:.2f}"]
         if after_compute:
             cells += [f"{r['after_compute_collectives_after_last_arrival_ms']:.1f}",
