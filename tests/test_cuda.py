@@ -251,6 +251,40 @@ def test_nccl_algorithm_async_orders_a_side_stream_after_it(world):
     assert run_ranks(_nccl_async_on_a_side_stream, world, env=NCCL_SHARED_GPU_ENV) == [[]] * world
 
 
+def _nccl_calls_between_hca_calls(rank, world):
+    """Async all-reduces alternating between a group of hca's own algorithm and an
+    algorithm="nccl" group, each first call of the first group setting up its staging on the
+    group's worker while the caller goes on: NCCL gets each call on the caller's thread, and only
+    once every earlier call of the process has put its work on the device."""
+    dev = rank_device("cuda", rank)
+    own = dist.new_group(backend="hca")
+    through_nccl = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl", num_packs=2))
+    calls = []
+    for case in range(8):
+        inputs = [make_input(80 + case, r, 100_003 * (1 + case % 3), torch.float32, "SUM") for r in range(world)]
+        t = inputs[rank].to(dev, copy=True)
+        group = own if case % 2 == 0 else through_nccl
+        calls.append((case, t, inputs, dist.all_reduce(t, group=group, async_op=True)))
+    errors = []
+    for case, t, inputs, work in calls:
+        work.wait()
+        errors.append(mismatch(f"call {case}", t.cpu(), reduce_reference(inputs, "SUM"), world))
+    return [e for e in errors if e]
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_algorithm_calls_reach_the_device_in_the_order_they_were_made(world):
+    """On one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), where calls that reach the
+    device in a different order on each rank deadlock."""
+    from harness import NCCL_SHARED_GPU_ENV, nccl_fits
+
+    if not nccl_fits(world):
+        pytest.skip(f"stock NCCL cannot join {world} ranks on {torch.cuda.device_count()} GPU(s) here")
+    env = {**NCCL_SHARED_GPU_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert run_ranks(_nccl_calls_between_hca_calls, world, env=env, pg_timeout_s=60) == [[]] * world
+
+
 def _capture_beside_collectives(rank, world):
     """A user captures CUDA graphs (global capture mode, the default) on their own stream while
     hca collectives are in flight and its watchdog queries their events."""

@@ -118,6 +118,9 @@ class CallStreams {
   std::shared_ptr<StreamCall> call_on(int device);
   // The runtime's indices of the devices this group has issued calls on.
   std::vector<int> devices();
+  DeviceRuntime& runtime() const { return runtime_; }
+  // The runtime's index of a tensor device.
+  int index_of(const at::Device& device) const { return index_of_(device); }
 
  private:
   DeviceRuntime& runtime_;

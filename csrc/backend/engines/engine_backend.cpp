@@ -46,7 +46,17 @@ EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backen
 }
 
 EngineBackend::~EngineBackend() {
-  if (in_forked_child()) leave_in_child(engines_);  // stock engines would join the parent's threads
+  if (!in_forked_child()) return;
+  leave_in_child(engines_);  // stock engines would join the parent's threads
+  leave_in_child(cuda_call_streams_);
+}
+
+std::unique_ptr<IssueTicket> EngineBackend::device_turn(const std::vector<at::Tensor>& tensors) const {
+  if (tensors.empty() || !tensors[0].defined() || !tensors[0].is_cuda() || !cuda_call_streams_) return nullptr;
+  auto ticket = std::make_unique<IssueTicket>(&cuda_call_streams_->runtime(),
+                                              cuda_call_streams_->index_of(tensors[0].device()));
+  ticket->await();
+  return ticket;
 }
 
 void end_engines(Engines& engines, bool abort) {

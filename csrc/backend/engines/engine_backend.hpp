@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
+#include "../calls/issue_order.hpp"
+#include "../calls/stream_call.hpp"
 #include "../c10d_overrides.hpp"
 #include "../group/group_life.hpp"
 
@@ -71,13 +73,23 @@ class EngineBackend : public c10d::Backend {
  protected:
   CallRecorder calls_;  // every public call goes through it (issue)
   // A public call: counted by the recorder, issued once the post-step of an
-  // earlier call (post_step) has run. The engines start a call at once, and it
-  // must see what that post-step wrote.
+  // earlier call (post_step) has run, in its turn on its device (device_turn).
+  // The engines start a call at once, and it must see what that post-step wrote.
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> issue(const CommsCall& call, bool async_op, Issue&& issue_call) {
     settle_post_step();
-    return record(call, async_op, std::forward<Issue>(issue_call));
+    return record(call, async_op, [&] {
+      const auto turn = device_turn(call.inputs.empty() ? call.outputs : call.inputs);
+      return issue_call();
+    });
   }
+  // Before an engine gets a call on `tensors` (on this thread, at once): on a CUDA device,
+  // the call's turn there, once every earlier call of the process's groups has issued its
+  // work (IssueTicket, held until the engine has the call; ProcessGroupHCA's workers issue
+  // in the same turns). NCCL's kernels wait for the peers', and on a hardware queue shared
+  // with hca's streams, calls that reach the device in a different order on each rank
+  // deadlock. Null for CPU tensors, which queue nowhere.
+  std::unique_ptr<IssueTicket> device_turn(const std::vector<at::Tensor>& tensors) const;
   // A public call, counted by the recorder, inside the group's life (refused once it ends).
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> record(const CommsCall& call, bool async_op, Issue&& issue_call) {
@@ -100,6 +112,9 @@ class EngineBackend : public c10d::Backend {
     life_.owner().check(op);
     return *engines_.cpu;
   }
+  // The groups' own work on CUDA tensors (hca's arithmetic after an engine, the stages across
+  // nodes) runs on their streams; null without CUDA.
+  std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();
   // Whether this is a child forked from the process that made the backend.
   bool in_forked_child() const { return !life_.owner().is_current(); }
   // DistBackendError naming `op` in a forked child.

@@ -52,7 +52,6 @@ NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, 
 NodeBackend::~NodeBackend() {
   if (!in_forked_child()) return;
   leave_in_child(leaders_);
-  leave_in_child(cuda_call_streams_);
 }
 
 void NodeBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -177,8 +176,10 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return record({"allreduce", tensors, tensors}, opts.asyncOp,
-                  [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
+    return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
+      const auto turn = device_turn(tensors);
+      return engine(tensors[0], "allreduce").allreduce(tensors, opts);
+    });
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);

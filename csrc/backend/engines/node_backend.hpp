@@ -90,7 +90,6 @@ class NodeBackend : public EngineBackend {
   Nodes nodes_;
   c10::intrusive_ptr<ProcessGroupHCA> local_;
   std::map<int, Engines> leaders_;
-  std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();  // null without CUDA
   WorkQueue queue_;  // last: its worker stops before the groups go
 };
 

@@ -39,10 +39,15 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   if (opts.reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) args.reduce_op(opts.reduceOp);
   check_engine_reduction(tensors, opts.reduceOp, "allreduce");
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
-  settle_post_step();  // the packs reach the engine here, before issue
-  auto packed = std::make_shared<nccl::PackedAllreduce>(
-      engine(tensors[0], "allreduce"), args.dense(), make_packs(args.descs(), packing_),
-      scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp, timeout);
+  settle_post_step();  // the packs reach the engine here, before record (issue's steps, in this order)
+  std::shared_ptr<nccl::PackedAllreduce> packed;
+  {
+    const auto turn = device_turn(tensors);
+    packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
+                                                     make_packs(args.descs(), packing_),
+                                                     scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp,
+                                                     timeout);
+  }
   // Whether the next call waits for hca's writes after the engine's sum. On CUDA, every such
   // write runs on the group's stream, which the engine's next call does not wait for (NCCL
   // orders its calls on its own stream): a later call on these tensors (in place, the same
@@ -63,7 +68,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
     call = cuda_call_streams_->call(args.device());
     body = issued_and_waited(call, call->keep(CallTensors{std::move(args), tensors}), std::move(body));
   }
-  return issue({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
+  return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
     auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body),
                                              std::move(call));
     if (after_engine) post_step(work);

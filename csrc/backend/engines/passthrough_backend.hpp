@@ -44,7 +44,6 @@ class PassthroughBackend : public EngineBackend {
                                               bool async_op);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
-  std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();  // null without CUDA
   WorkQueue queue_;
 };
 
