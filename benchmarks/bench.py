@@ -1,6 +1,7 @@
 """hca beside gloo (and NCCL on a GPU): nccl-tests' columns, a JSON file and a PNG plot.
 
     python benchmarks/bench.py                      # 2 ranks, 4 B .. 64 MiB, CUDA tensors if a GPU is present
+                                                    # (the defaults-vs-best table: 2, 3 and 4 ranks)
     python benchmarks/bench.py --world-sizes 2,3,4 --max-bytes 16M --device cpu
     python benchmarks/bench.py --ops all_reduce --device cpu --busy 2   # beside 2 processes busy on the CPUs
 
@@ -10,9 +11,11 @@ with a device synchronize, and stock NCCL joins where it can run (one rank per G
 Every backend runs in the same processes, one after the other, on float32 tensors. The sweep is
 the installed `python -m torch_hca.bench`'s (its timing, columns and element check); this script
 puts hca's configurations side by side and adds a batch of 100 tensors, the small-message latency
-table, the speed-ups over gloo and the plot. `--ops choice` times hca's defaults and each fixed
-setting at every size with their batches alternating, for the table of the defaults beside the
-fastest fixed setting (without it, that table compares the sweep's rows, taken minutes apart).
+table, the speed-ups over gloo and the plot. `choice` (in the default --ops, at
+--choice-world-sizes) times hca's all-reduce under its defaults and under each fixed setting at
+every size with their batches alternating, for the table of the defaults beside the fastest fixed
+setting; without it, that table compares the sweep's rows, taken minutes apart (as it still does
+for the other ops of the sweep: a broadcast's defaults are fixed).
 `--busy N` runs everything beside N processes that keep a CPU busy each, as a compile beside the
 job would: the defaults must stay ahead of gloo there too.
 """
@@ -316,6 +319,13 @@ def defaults_vs_best(rows):
     return out
 
 
+def compared_rows(choices, swept):
+    """What the defaults-vs-best table compares: the alternating timings (--ops choice) for their
+    op, the sweep's rows for every other op."""
+    alternated = {c["op"] for c in choices}
+    return choices + [r for r in swept if r["op"] not in alternated]
+
+
 def held_out_ratio(default, fixed):
     """The defaults' time over the fastest fixed setting's, that setting picked on one half of the
     batches and both timed on the other; the mean of the two ways round. None without halves."""
@@ -356,7 +366,9 @@ def print_defaults_vs_best(table):
         held_out = f"{t['held_out']:.2f}" if t.get("held_out") else ""
         print(f"| {t['op']} | {t['world_size']} | {t['size']} | {t['default_us']:.1f} | {(t['ran'] or '')[4:]} | "
               f"{t['best_fixed'][4:]} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {held_out} | {noise} |")
-    print("\n" + within_summary(table))
+    print()
+    for op in dict.fromkeys(t["op"] for t in table):
+        print(f"{op}: " + within_summary([t for t in table if t["op"] == op]))
     judged = [t for t in table if t.get("held_out")]
     if judged:
         print(f"held out (the fastest picked on other batches than it is timed on): within 1.05x at "
@@ -426,7 +438,7 @@ def main(argv=None):
     parser.add_argument("--min-bytes", default="4")
     parser.add_argument("--max-bytes", default="64M")
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
-    parser.add_argument("--ops", default="all_reduce,broadcast,latency",
+    parser.add_argument("--ops", default="all_reduce,broadcast,latency,choice",
                         help="all_reduce, broadcast (or any op of python -m torch_hca.bench), batch (100 tensors of 4 KiB-4 MiB), latency "
                              "(4 B-64 KiB allreduce, blocking and async), choice (allreduce under hca's defaults and "
                              "each fixed setting, alternating: the defaults-vs-best table)")
@@ -437,6 +449,8 @@ def main(argv=None):
                              "sockets (groups='auto' then groups the ranks by socket)")
     parser.add_argument("--latency-world-sizes", type=int_list_arg("integers such as 2,4", 1), default="1,2,3,4",
                         help="world sizes of the latency table")
+    parser.add_argument("--choice-world-sizes", type=int_list_arg("integers such as 2,4", 2), default="2,3,4",
+                        help="world sizes of the defaults-vs-best table (--ops choice)")
     parser.add_argument("--busy", type=int, default=0, help="processes that keep a CPU busy each beside the ranks")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -454,9 +468,10 @@ def main(argv=None):
     if args.busy < 0:
         parser.error(f"--busy: expected 0 or more processes, got {args.busy}")
     pin = args.pin_cores or (list(range(os.cpu_count())) if args.pin else None)
-    runs = [(w, [op for op in ops if op != "latency"]) for w in args.world_sizes]
-    if "latency" in ops:
-        runs += [(w, ["latency"]) for w in args.latency_world_sizes]
+    runs = [(w, [op for op in ops if op not in ("latency", "choice")]) for w in args.world_sizes]
+    for mode, worlds in (("latency", args.latency_world_sizes), ("choice", args.choice_world_sizes)):
+        if mode in ops:
+            runs += [(w, [mode]) for w in worlds]
     rows = []
     with busy_processes(args.busy):
         for world, run_ops in runs:
@@ -475,7 +490,7 @@ def main(argv=None):
     speedups = ratios(rows)
     print(f"\nmemcpy bandwidth ({'device to device' if device == 'cuda' else 'one core'}): {memcpy:.2f} GB/s")
     print_speedups(speedups)
-    defaults = defaults_vs_best(choices or rows)
+    defaults = defaults_vs_best(compared_rows(choices, rows))
     print_defaults_vs_best(defaults)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.date.today().isoformat()

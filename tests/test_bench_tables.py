@@ -48,6 +48,15 @@ def test_the_summary_blames_noise_only_where_it_knows_what_the_defaults_ran():
         "the defaults within 1.05x of the fastest fixed setting at 1 of 1 sizes"
 
 
+def test_the_table_takes_the_alternating_timings_of_their_op_and_the_sweep_for_the_others():
+    choices = [dict(row(bench.DEFAULTS, 10.0), timing="alternating"), dict(row("hca/a", 9.0), timing="alternating")]
+    swept = [row(bench.DEFAULTS, 30.0), row("hca/a", 1.0), dict(row(bench.DEFAULTS, 5.0), op="broadcast"),
+             dict(row("hca/a", 4.0), op="broadcast")]
+    table = bench.defaults_vs_best(bench.compared_rows(choices, swept))
+    assert [(t["op"], t["default_us"], t["best_fixed_us"]) for t in table] == [("all_reduce", 10.0, 9.0),
+                                                                                ("broadcast", 5.0, 4.0)]
+
+
 def halves_of_known_samples(rank, world):
     # The slowest rank's time in each batch (rank 1 is slower in odd batches), split 0,1,4,5,.. / 2,3,6,7,..
     samples = {"m": [float(b + (100 if rank == 1 and b % 2 else 0)) for b in range(8)]}
@@ -64,6 +73,7 @@ def test_split_halves_takes_each_batchs_slowest_rank_and_both_orders_in_each_hal
     (["--ops", "allreduce,nope"], "--ops: unknown 'nope' (expected some of all_reduce, broadcast"),  # a KeyError in every rank
     (["--world-sizes", "0"], "--world-sizes: expected integers such as 2,4, each 1 or more, got '0'"),  # a missing file
     (["--latency-world-sizes", "1,x"], "--latency-world-sizes: expected integers such as 2,4, each 1 or more"),
+    (["--choice-world-sizes", "1,2"], "--choice-world-sizes: expected integers such as 2,4, each 2 or more"),
     (["--busy", "-1"], "--busy: expected 0 or more processes, got -1"),
     (["--step", "1"], "--min-bytes, --max-bytes, --step: sizes grow by this factor, so it must be 2 or more"),
 ])
