@@ -12,10 +12,9 @@ Every backend runs in the same processes, one after the other, on float32 tensor
 the installed `python -m torch_hca.bench`'s (its timing, columns and element check); this script
 puts hca's configurations side by side and adds a batch of 100 tensors, the small-message latency
 table, the speed-ups over gloo and the plot. `choice` (in the default --ops, at
---choice-world-sizes) times hca's all-reduce under its defaults and under each fixed setting at
-every size with their batches alternating, for the table of the defaults beside the fastest fixed
-setting; without it, that table compares the sweep's rows, taken minutes apart (as it still does
-for the other ops of the sweep: a broadcast's defaults are fixed).
+--choice-world-sizes) times hca's all-reduce and broadcast under its defaults and under each fixed
+setting at every size with their batches alternating, for the table of the defaults beside the
+fastest fixed setting; without it, that table compares the sweep's rows, taken minutes apart.
 `--busy N` runs everything beside N processes that keep a CPU busy each, as a compile beside the
 job would: the defaults must stay ahead of gloo there too.
 """
@@ -127,12 +126,16 @@ def time_latency(rank, world, timer_group, device, report):
     return rows
 
 
+CHOICE_OPS = {"all_reduce": lambda t, g: dist.all_reduce(t, group=g),
+              "broadcast": lambda t, g: dist.broadcast(t, 0, group=g)}
+
+
 def time_choices(rank, world, timer_group, device, sizes, report):
-    """all_reduce at every size under hca's defaults and under each fixed setting (backends()),
-    their batches alternating (alternating_samples): the sweep times each contender after the
-    other, minutes apart, and on a VM whose speed drifts that alone made two identical schedules
-    differ 1.4x. This is what the defaults-vs-best table compares; a second group with the
-    defaults gives its noise column."""
+    """all_reduce and broadcast at every size under hca's defaults and under each fixed setting
+    (backends()), their batches alternating (alternating_samples): the sweep times each contender
+    after the other, minutes apart, and on a VM whose speed drifts that alone made two identical
+    schedules differ 1.4x. This is what the defaults-vs-best table compares; a second group with
+    the defaults gives its noise column."""
     import torch_hca
 
     dev = rank_device(device, rank)
@@ -141,22 +144,24 @@ def time_choices(rank, world, timer_group, device, sizes, report):
     # The defaults again, in a group of their own: how far two runs of one setting differ here.
     groups[DEFAULTS_AGAIN] = dist.new_group(backend="hca", pg_options=torch_hca.Options())
     rows = []
-    for nbytes in sizes:
-        t = torch.zeros(max(1, nbytes // 4), device=dev)
-        modes = {label: synchronized(lambda g=g: dist.all_reduce(t, group=g), dev) for label, g in groups.items()}
-        for fn in modes.values():
-            fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
-        calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=3, least=1)
-        # What the defaults ran at this size, as the fixed setting's label (CPU: chosen per call).
-        chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
-        ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
-        samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
-        halves = split_halves(samples, timer_group)
-        for label, seconds in slowest_medians(samples, timer_group).items():
-            rows.append(dict(op="all_reduce", backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
-                             halves_us=[h * 1e6 for h in halves[label]], timing="alternating",
-                             **({"ran": ran} if label == DEFAULTS else {})))
-            report(rows[-1])
+    for op, call in CHOICE_OPS.items():
+        for nbytes in sizes:
+            t = torch.zeros(max(1, nbytes // 4), device=dev)
+            modes = {label: synchronized(lambda g=g: call(t, g), dev) for label, g in groups.items()}
+            for fn in modes.values():
+                fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
+            calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=3, least=1)
+            # What the defaults ran at this size, as the fixed setting's label (CPU all-reduces: chosen
+            # per call; a broadcast's defaults are fixed, and explain names no choice for them).
+            chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
+            ran = f"hca/{fixed_label(chosen, world)}" if chosen and op == "all_reduce" else None
+            samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
+            halves = split_halves(samples, timer_group)
+            for label, seconds in slowest_medians(samples, timer_group).items():
+                rows.append(dict(op=op, backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
+                                 halves_us=[h * 1e6 for h in halves[label]], timing="alternating",
+                                 **({"ran": ran} if label == DEFAULTS else {})))
+                report(rows[-1])
     return rows
 
 
@@ -347,6 +352,8 @@ def within_summary(table):
     if not behind:
         return text
     if any(t["ran"] is None for t in behind):
+        if all(t.get("held_out") for t in behind):  # alternating timings (--ops choice)
+            return text + f"; the {len(behind)} others' gaps: the held-out column says which hold up"
         return (text + f"; the sweep timed each setting after the other, so the {len(behind)} others' "
                 "gaps include the machine's drift (--ops choice alternates them)")
     same = [t for t in behind if t["ran"] == t["best_fixed"]]
@@ -440,8 +447,8 @@ def main(argv=None):
     parser.add_argument("--step", type=int, default=4, help="size multiplier between points")
     parser.add_argument("--ops", default="all_reduce,broadcast,latency,choice",
                         help="all_reduce, broadcast (or any op of python -m torch_hca.bench), batch (100 tensors of 4 KiB-4 MiB), latency "
-                             "(4 B-64 KiB allreduce, blocking and async), choice (allreduce under hca's defaults and "
-                             "each fixed setting, alternating: the defaults-vs-best table)")
+                             "(4 B-64 KiB allreduce, blocking and async), choice (allreduce and broadcast under hca's "
+                             "defaults and each fixed setting, alternating: the defaults-vs-best table)")
     parser.add_argument("--pin", action="store_true",
                         help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
     parser.add_argument("--pin-cores", type=int_list_arg("integers such as 0,32,1,33", 0),

@@ -46,6 +46,9 @@ def test_the_summary_blames_noise_only_where_it_knows_what_the_defaults_ran():
     assert "timed each setting after the other" in bench.within_summary(swept) and "noise" not in bench.within_summary(swept)
     assert bench.within_summary(bench.defaults_vs_best([row(bench.DEFAULTS, 10.0), row("hca/a", 10.0)])) == \
         "the defaults within 1.05x of the fastest fixed setting at 1 of 1 sizes"
+    # Alternating timings (halves) where what the defaults ran is not known (a broadcast): no sweep blamed.
+    alternated = bench.defaults_vs_best([row(bench.DEFAULTS, 11.0, [11.0, 11.0]), row("hca/a", 10.0, [10.0, 10.0])])
+    assert bench.within_summary(alternated).endswith("; the 1 others' gaps: the held-out column says which hold up")
 
 
 def test_the_table_takes_the_alternating_timings_of_their_op_and_the_sweep_for_the_others():
