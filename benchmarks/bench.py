@@ -153,8 +153,10 @@ def time_choices(rank, world, timer_group, device, sizes, report):
             calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=3, least=1)
             # What the defaults ran at this size, as the fixed setting's label (CPU all-reduces: chosen
             # per call; a broadcast's defaults are fixed, and explain names no choice for them).
-            chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
-            ran = f"hca/{fixed_label(chosen, world)}" if chosen and op == "all_reduce" else None
+            ran = None
+            if op == "all_reduce":
+                chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
+                ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
             samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
             halves = split_halves(samples, timer_group)
             for label, seconds in slowest_medians(samples, timer_group).items():

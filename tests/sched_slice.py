@@ -19,10 +19,15 @@ class _SchedAttr(ctypes.Structure):
                 ("sched_util_max", ctypes.c_uint32)]
 
 
+def _syscall(which, *args):
+    """sched_getattr (which=0) or sched_setattr (1); OSError where it fails."""
+    if _libc.syscall(_SYSCALLS[platform.machine()][which], *args) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
 def _attr(tid):
     attr = _SchedAttr()
-    if _libc.syscall(_SYSCALLS[platform.machine()][0], tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    _syscall(0, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0)
     return attr
 
 
@@ -35,8 +40,7 @@ def set_slice_ns(ns, tid=0):
     """Asks for a slice of `ns` (0: the kernel's default) on thread `tid`, policy and nice kept."""
     attr = _attr(tid)
     attr.size, attr.sched_flags, attr.sched_runtime = ctypes.sizeof(attr), 0, ns
-    if _libc.syscall(_SYSCALLS[platform.machine()][1], tid, ctypes.byref(attr), 0) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    _syscall(1, tid, ctypes.byref(attr), 0)
 
 
 def custom_slices_supported():
