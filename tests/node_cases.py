@@ -138,6 +138,30 @@ def forwarded_ops(rank, world, group, case):
     return errors
 
 
+def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):
+    """An async all-reduce across nodes, then one on a second group (across the same nodes), each
+    round. Rank 0 makes the second 50 ms later, when its worker has got to the first call's stages;
+    the other ranks at once. On a device, the stages must still issue before the second call on
+    every rank: they issue in the turn the first call took when it was made."""
+    dev = rank_device(device, rank)
+    second = dist.new_group(backend="hca")
+    for group in (None, second):  # set-up, in one order everywhere
+        dist.all_reduce(torch.ones(4, device=dev), group=group)
+    errors = []
+    for i in range(rounds):
+        inputs = [[make_input(50 + 2 * i + k, r, 300_000, torch.float32, "SUM") for r in range(world)]
+                  for k in range(2)]
+        mine = [inputs[k][rank].to(dev, copy=True) for k in range(2)]
+        works = [dist.all_reduce(mine[0], async_op=True)]
+        if rank == 0:
+            time.sleep(0.05)
+        works.append(dist.all_reduce(mine[1], group=second, async_op=True))
+        for k, work in enumerate(works):
+            work.wait()
+            errors.append(mismatch(f"round {i}, group {k}", mine[k], reduce_reference(inputs[k], "SUM"), world))
+    return [e for e in errors if e]
+
+
 def p2p_on_a_full_dev_shm(rank, world):
     """After init, a file takes what is left of /dev/shm; rank 0 then sends rank 1 a message.
     Its ring's reservation fails: both ranks' calls raise (the sender's cause, the receiver told

@@ -6,6 +6,7 @@ to cuda:rank does; every test fails where the code ignores one of CUDA's rules."
 import os
 import re
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -605,3 +606,51 @@ def test_calls_to_two_groups_in_opposite_orders_end_in_a_timeout_not_a_hang():
         assert not wrong, (rank, wrong)
         assert errors and all("Timed out" in e for e in errors), (rank, errors)
         assert seconds < 20, (rank, seconds)
+
+
+def _a_call_made_in_a_held_turn(rank, world):
+    """An async all-reduce on group 1 made inside a turn of the device (model.in_device_turn, as a
+    call across nodes makes its stages), and one on group 2 from another thread. Rank 0 makes the
+    group 2 call first, while the turn is held, the other ranks after the group 1 call. Both must
+    reach the device in the turn's order on every rank: (the errors raised, the wrong results)."""
+    groups = [dist.new_group(backend="hca", timeout=timedelta(seconds=3)) for _ in range(2)]
+    for group in groups:  # set-up and self-test, in one order everywhere
+        dist.all_reduce(torch.ones(4), group=group)
+    inputs = [[make_input(20 + k, r, 5_000, torch.float32, "SUM") for r in range(world)] for k in range(2)]
+    mine = [inputs[k][rank].clone() for k in range(2)]
+    works, errors = {}, []
+
+    def call_group_2():
+        works[2] = dist.all_reduce(mine[1], group=groups[1], async_op=True)
+
+    second = threading.Thread(target=call_group_2)
+
+    def stages():
+        if rank == 0:
+            second.start()
+            second.join()  # its ticket comes after the held turn
+        works[1] = dist.all_reduce(mine[0], group=groups[0], async_op=True)
+        if rank != 0:
+            second.start()
+            second.join()
+
+    model.in_device_turn(stages)
+    wrong = []
+    for k in (1, 2):
+        try:
+            works[k].wait()
+            wrong.append(mismatch(f"group {k}", mine[k - 1], reduce_reference(inputs[k - 1], "SUM"), world))
+        except dist.DistBackendError as e:
+            errors.append(str(e))
+    return errors, [w for w in wrong if w]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_made_in_a_held_turn_issue_in_it(world):
+    """A call across nodes issues its stages (calls to its node's group, to the engines among the
+    leaders) on its worker when it gets to them, maybe after calls made since. They issue in the
+    turn the call took when it was made, and the turn ends once they have. Otherwise, on one
+    hardware queue, rank 0 would issue group 2's call first and the others group 1's: each waits
+    for the other, until the timeout."""
+    results = run_ranks(_a_call_made_in_a_held_turn, world, env={**STREAMS_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert results == [([], [])] * world

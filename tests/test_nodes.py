@@ -167,6 +167,19 @@ def test_cuda_tensors_across_named_nodes(name, engine):
                      env_per_rank=env) == [[]] * world
 
 
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda), "cpu"])
+def test_stages_across_nodes_issue_in_their_calls_turn(device):
+    """On one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), an async call across nodes and a
+    call on another group made after it, rank 0 late: the stages take the first call's turn, so
+    every rank's device gets them first (else the ranks queue them in different orders and wait
+    for each other until the timeout). On CPU tensors, which queue nowhere, the same results."""
+    ids = LAYOUTS["2x2"]
+    # gloo among the leaders: NCCL refuses two leaders on one GPU.
+    env = [{**e, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_INTER_NODE_BACKEND": "gloo"} for e in _node_env(ids)]
+    assert run_ranks(node_cases.calls_in_turn_with_another_group, len(ids), device, env_per_rank=env,
+                     pg_timeout_s=20.0) == [[]] * len(ids)
+
+
 def test_a_dead_named_node_is_reported_by_the_others():
     got = run_ranks(node_cases.node_dies, 4, [2, 3], env_per_rank=_node_env(LAYOUTS["2x2"]), pg_timeout_s=20,
                     allow_missing=(2, 3))

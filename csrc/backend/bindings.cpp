@@ -16,6 +16,7 @@
 #include "../transport/cuda/cuda_executor.h"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
+#include "calls/issue_order.hpp"
 #include "engines/node_backend.hpp"
 #include "engines/passthrough_backend.hpp"
 #include "group/process_group_hca.hpp"
@@ -443,6 +444,21 @@ PYBIND11_MODULE(_C, m) {
         current.synchronize(current.record());
       },
       py::call_guard<py::gil_scoped_release>(), "the host waits for the caller's current stream");
+  model.def(
+      "in_device_turn",
+      [](const py::function& fn) {
+        DeviceRuntime& runtime = ModelRuntime::instance();
+        const auto turn = std::make_unique<IssueTicket>(&runtime, ModelRuntime::instance().tensor_device());
+        {
+          py::gil_scoped_release released;
+          turn->await();
+        }
+        const IssueTicket::Held held(turn.get());
+        fn();
+      },
+      py::arg("fn"),
+      "fn() in a turn of the tensors' device, taken now, as a call across nodes runs its stages: "
+      "the calls it makes on the device issue in that turn, which ends once they have");
   m.def(
       "_aligned_span",
       [](uintptr_t dst, uintptr_t src, size_t bytes) {

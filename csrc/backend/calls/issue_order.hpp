@@ -14,7 +14,8 @@ namespace hca {
 
 class IssueTicket {
  public:
-  // The next ticket of `device` of `runtime` (any pointer that names the runtime).
+  // The next ticket of `device` of `runtime` (any pointer that names the runtime);
+  // on a thread inside a turn of that device (Held), a share of that turn instead.
   IssueTicket(const void* runtime, int device);
   // Passes the ticket if it was not: a call dropped before it issued holds no one up.
   ~IssueTicket();
@@ -23,8 +24,25 @@ class IssueTicket {
 
   // Until every earlier ticket of the device has passed.
   void await() const;
-  // This call has issued (or will not): the next ticket may go.
+  // This call has issued (or will not). The turn ends once every share of it
+  // has passed: the next ticket may go.
   void pass();
+
+  // While it lives, the calls this thread makes on the ticket's device issue in
+  // the ticket's turn, which lasts until they have: the stages a call runs as
+  // calls of its own (a group across nodes: its node's group, the engines among
+  // leaders), which would otherwise take tickets after calls made since, when
+  // the worker gets to them. From after await() until pass().
+  class Held {
+   public:
+    explicit Held(const IssueTicket* ticket);  // null: holds nothing
+    ~Held();
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+
+   private:
+    const IssueTicket* outer_;
+  };
 
  private:
   const void* runtime_;

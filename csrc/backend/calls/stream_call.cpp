@@ -201,19 +201,25 @@ std::unique_ptr<CallStreams> make_cuda_call_streams() { return nullptr; }
 #endif
 
 std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::shared_ptr<const CallTensors> kept,
-                                        std::function<void()> body) {
-  return [call = std::move(call), kept = std::move(kept), body = std::move(body)] {
+                                        std::function<void()> body, std::shared_ptr<IssueTicket> turn) {
+  return [call = std::move(call), kept = std::move(kept), body = std::move(body), turn = std::move(turn)] {
+    if (turn) turn->await();
     // The thread running it (the group's worker) on the call's device: never a context on device 0.
     DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();
     try {
-      call->on_stream(body);
+      call->on_stream([body, turn] {
+        const IssueTicket::Held inside(turn.get());
+        body();
+      });
     } catch (...) {
       call->end();
+      if (turn) turn->pass();
       call->wait_for_end();  // what was issued before the error still reads `kept`
       throw;
     }
     call->end();
+    if (turn) turn->pass();  // before the host waits: the device may need later calls of peers
     call->wait_for_end();
     call->issued()->settle();
   };

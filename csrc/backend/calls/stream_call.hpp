@@ -16,6 +16,7 @@
 #include "../../transport/executor.h"
 #include "../../transport/stream/device_runtime.h"
 #include "call_args.hpp"
+#include "issue_order.hpp"
 #include "work_hca.hpp"
 
 namespace hca {
@@ -139,8 +140,11 @@ std::unique_ptr<CallStreams> make_cuda_call_streams();
 // A Work body for host code that issues torch ops (`body`) on `call`'s stream
 // and that no executor watches: it returns once the stream has passed them,
 // so that `kept` lives as long as the stream reads it, and settles the call.
+// With `turn` (taken when the call was made), it issues in that turn: after
+// every earlier call of the device, and so do the calls `body` makes (a CUDA
+// stream runs `body` on this thread); the turn passes once they have issued.
 std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::shared_ptr<const CallTensors> kept,
-                                        std::function<void()> body);
+                                        std::function<void()> body, std::shared_ptr<IssueTicket> turn = nullptr);
 
 // A Work step for a barrier: an empty call on each of `calls` (made on the
 // caller's thread), returning once every stream has passed its call, that is the

@@ -127,7 +127,10 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
   std::shared_ptr<StreamCall> call;
   if (args.device().is_cuda() && cuda_call_streams_) {
     call = cuda_call_streams_->call(args.device());
-    guarded = issued_and_waited(call, call->keep(CallTensors{args, outputs}), std::move(guarded));
+    // Taken now, on the caller's thread: the stages (the node's group, the engines among
+    // leaders) reach the device in this call's turn, whenever the worker gets to them.
+    auto turn = std::make_shared<IssueTicket>(&call->runtime(), call->device_index());
+    guarded = issued_and_waited(call, call->keep(CallTensors{args, outputs}), std::move(guarded), std::move(turn));
   }
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs), std::move(guarded), std::move(call));
   queue_.submit(work, !async_op);
