@@ -219,7 +219,7 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
       throw;
     }
     call->end();
-    if (turn) turn->pass();  // before the host waits: the device may need later calls of peers
+    if (turn) turn->pass();  // before the host waits: later calls issue meanwhile
     call->wait_for_end();
     call->issued()->settle();
   };
