@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 import node_cases
 import torch_hca
-from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
+from harness import NCCL_SHARED_GPU_ENV, STREAMS_ENV, nccl_fits, raises, run_ranks
 from netns import TwoHosts, mount_namespaces_unavailable, run_in_containers, unavailable
+from reference import make_input, mismatch, reduce_reference
 from torch_hca.backend import check_gloo_can_leave_this_host
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -167,17 +168,56 @@ def test_cuda_tensors_across_named_nodes(name, engine):
                      env_per_rank=env) == [[]] * world
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda), "cpu"])
+def _stream_rules(rank, world):
+    """test_model_device's checks of a device's stream rules on the world group across nodes, then
+    the caller's kernel writing the inputs 0.15 s late before calls whose stages read them on the
+    host: packing several tensors, and gloo among the leaders (a broadcast from the last rank)."""
+    from test_model_device import _late_peer_calls, _user_kernel_before_the_call
+    model = torch_hca._C._model
+    wrong = _late_peer_calls(rank, world) + _user_kernel_before_the_call(rank, world)
+    inputs = [[make_input(60 + i, r, 5_000 + i, torch.float32, "SUM") for i in range(3)] for r in range(world)]
+    mine = [torch.zeros(5_000 + i) for i in range(3)]
+    for t, given in zip(mine, inputs[rank]):
+        model.enqueue_copy(t, given, 150)
+    dist.all_reduce_coalesced(mine)
+    for i, t in enumerate(mine):
+        wrong.append(mismatch(f"all_reduce_coalesced after a kernel, tensor {i}", t,
+                              reduce_reference([inputs[r][i] for r in range(world)], "SUM"), world))
+    t = torch.zeros(5_000)
+    model.enqueue_copy(t, inputs[rank][0], 150)
+    dist.broadcast(t, src=world - 1)
+    wrong.append(mismatch("broadcast after a kernel", t, inputs[world - 1][0], world))
+    return [w for w in wrong if w]
+
+
+@pytest.mark.parametrize("name", ["2x2", "3+2"])
+def test_across_named_nodes_on_the_model_of_the_device(name):
+    """The CPU model of the device, the CUDA path's check, runs the node's group and the call's own
+    stages (packing, the exchange among the leaders through gloo, the copies back): on the call's
+    stream, in its turn, the host standing for that stream while gloo reads it, as the CUDA path
+    stages its tensors in host memory. Every result against references; the caller's kernel
+    before a call, and a peer 0.2 s late."""
+    ids = LAYOUTS[name]
+    world = len(ids)
+    env = [{**e, **STREAMS_ENV} for e in _node_env(ids)]
+    assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), env_per_rank=env) == [[]] * world
+    assert run_ranks(node_cases.rooted_and_gathers, world, env_per_rank=env) == [[]] * world
+    assert run_ranks(_stream_rules, world, env_per_rank=env) == [[]] * world
+
+
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda), "cpu-streams", "cpu"])
 def test_stages_across_nodes_issue_in_their_calls_turn(device):
     """On one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), an async call across nodes and a
     call on another group made after it, rank 0 late: the stages take the first call's turn, so
-    every rank's device gets them first (else the ranks queue them in different orders and wait
-    for each other until the timeout). On CPU tensors, which queue nowhere, the same results."""
+    every rank's device gets them first. Else the ranks queue them in different orders and wait
+    for each other until the timeout: on the CPU model of the device every rank timed out so.
+    On CPU tensors, which queue nowhere, the same results."""
     ids = LAYOUTS["2x2"]
     # gloo among the leaders: NCCL refuses two leaders on one GPU.
-    env = [{**e, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_INTER_NODE_BACKEND": "gloo"} for e in _node_env(ids)]
-    assert run_ranks(node_cases.calls_in_turn_with_another_group, len(ids), device, env_per_rank=env,
-                     pg_timeout_s=20.0) == [[]] * len(ids)
+    env = [{**e, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_INTER_NODE_BACKEND": "gloo",
+            **(STREAMS_ENV if device == "cpu-streams" else {})} for e in _node_env(ids)]
+    assert run_ranks(node_cases.calls_in_turn_with_another_group, len(ids), "cuda" if device == "cuda" else "cpu",
+                     env_per_rank=env, pg_timeout_s=20.0) == [[]] * len(ids)
 
 
 def test_a_dead_named_node_is_reported_by_the_others():

@@ -26,6 +26,21 @@ constexpr int kPoisonByte = 0xff;
 
 ModelRuntime& model() { return ModelRuntime::instance(); }
 
+// The calling thread's current stream of `device` while it lives, as torch's stream guard.
+class CurrentStream {
+ public:
+  CurrentStream(int device, DeviceRuntime::Stream stream) : device_(device), before_(model().current_stream(device)) {
+    model().set_current_stream(device, stream);
+  }
+  ~CurrentStream() { model().set_current_stream(device_, before_); }
+  CurrentStream(const CurrentStream&) = delete;
+  CurrentStream& operator=(const CurrentStream&) = delete;
+
+ private:
+  int device_;
+  DeviceRuntime::Stream before_;
+};
+
 class ModelCall final : public StreamCall {
  public:
   ModelCall(int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller)
@@ -36,6 +51,18 @@ class ModelCall final : public StreamCall {
       at::NoGradGuard no_grad;  // the backend's copies into leaves that require grad
       fn();
     });
+  }
+
+  void from_host(std::function<void()> fn) const override {
+    HostStream& internal = model().stream_on(device_index(), stream());
+    try {
+      internal.synchronize(internal.record());
+    } catch (const Failure& fault) {
+      C10_THROW_ERROR(DistBackendError, std::string("hca: ") + fault.what());
+    }
+    CurrentStream current(device_index(), stream());
+    at::NoGradGuard no_grad;  // the backend's copies into leaves that require grad
+    fn();
   }
 
   std::shared_ptr<const CallTensors> keep(CallTensors tensors) const override {

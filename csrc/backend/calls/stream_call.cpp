@@ -208,10 +208,8 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
     DeviceGuard guard(call->runtime(), call->device_index());
     call->begin();
     try {
-      call->on_stream([body, turn] {
-        const IssueTicket::Held inside(turn.get());
-        body();
-      });
+      const IssueTicket::Held inside(turn.get());
+      call->from_host(body);
     } catch (...) {
       call->end();
       if (turn) turn->pass();

@@ -50,6 +50,11 @@ class StreamCall : public DeviceCompletion {
   // Issues `fn` on the internal stream after what was issued so far: torch ops
   // run with it current (CUDA), or the model's stream runs `fn` in its turn.
   virtual void on_stream(std::function<void()> fn) const = 0;
+  // Runs `fn`, host code that issues torch ops and calls of other groups, on this
+  // thread with the internal stream current. CUDA queues its ops there; the
+  // model's run on the host at once, so the host first waits for what the stream
+  // was given and then stands for it, as it does for the caller's stream.
+  virtual void from_host(std::function<void()> fn) const = 0;
   // After issuing: the end of everything issued so far.
   void end();
   // Blocks the host until the stream has passed the end.
@@ -140,9 +145,9 @@ std::unique_ptr<CallStreams> make_cuda_call_streams();
 // A Work body for host code that issues torch ops (`body`) on `call`'s stream
 // and that no executor watches: it returns once the stream has passed them,
 // so that `kept` lives as long as the stream reads it, and settles the call.
-// With `turn` (taken when the call was made), it issues in that turn: after
-// every earlier call of the device, and so do the calls `body` makes (a CUDA
-// stream runs `body` on this thread); the turn passes once they have issued.
+// `body` runs on this thread (StreamCall::from_host). With `turn` (taken when
+// the call was made), it issues in that turn: after every earlier call of the
+// device, and so do the calls `body` makes; the turn passes once they have issued.
 std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::shared_ptr<const CallTensors> kept,
                                         std::function<void()> body, std::shared_ptr<IssueTicket> turn = nullptr);
 

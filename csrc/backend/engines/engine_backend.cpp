@@ -49,6 +49,7 @@ EngineBackend::~EngineBackend() {
   if (!in_forked_child()) return;
   leave_in_child(engines_);  // stock engines would join the parent's threads
   leave_in_child(cuda_call_streams_);
+  leave_in_child(model_call_streams_);
 }
 
 std::unique_ptr<IssueTicket> EngineBackend::device_turn(const std::vector<at::Tensor>& tensors) const {

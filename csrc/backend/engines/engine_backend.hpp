@@ -115,6 +115,14 @@ class EngineBackend : public c10d::Backend {
   // The groups' own work on CUDA tensors (hca's arithmetic after an engine, the stages across
   // nodes) runs on their streams; null without CUDA.
   std::unique_ptr<CallStreams> cuda_call_streams_ = make_cuda_call_streams();
+  // The same on the CPU model of the device, for CPU tensors: set by a backend whose parts run
+  // there (the group across nodes, when its node's group does); null otherwise.
+  std::unique_ptr<CallStreams> model_call_streams_;
+  // The streams of the groups' own work on `device`'s tensors: CUDA's, or the model's; null where
+  // that work runs on the host without streams.
+  CallStreams* call_streams(const at::Device& device) const {
+    return device.is_cuda() ? cuda_call_streams_.get() : device.is_cpu() ? model_call_streams_.get() : nullptr;
+  }
   // Whether this is a child forked from the process that made the backend.
   bool in_forked_child() const { return !life_.owner().is_current(); }
   // DistBackendError naming `op` in a forked child.

@@ -47,6 +47,8 @@ NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, 
     TORCH_CHECK_VALUE(!leads(p) || leaders_.count(p), "hca: rank ", rank, " leads position ", p,
                       " but has no engine among that position's leaders");
   }
+  // CPU tensors stand for device memory where the node's group runs on the model: so do its stages.
+  if (local_->cpu_on_model()) model_call_streams_ = make_model_call_streams();
 }
 
 NodeBackend::~NodeBackend() {
@@ -93,6 +95,7 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     return call;
   }
   TORCH_CHECK_NOT_IMPLEMENTED(engines.cpu, "hca: no engine between nodes for CPU tensors");
+  // (On the CPU model of the device the host stands for this call's stream: gloo reads what it has.)
   if (cuda) {
     // Through host memory: the copy waits for this call's stream, the results go back on it.
     call.given = tensors;
@@ -125,8 +128,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
     }
   };
   std::shared_ptr<StreamCall> call;
-  if (args.device().is_cuda() && cuda_call_streams_) {
-    call = cuda_call_streams_->call(args.device());
+  if (CallStreams* streams = call_streams(args.device())) {
+    call = streams->call(args.device());
     // Taken now, on the caller's thread: the stages (the node's group, the engines among
     // leaders) reach the device in this call's turn, whenever the worker gets to them.
     auto turn = std::make_shared<IssueTicket>(&call->runtime(), call->device_index());

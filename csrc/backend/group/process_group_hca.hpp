@@ -158,6 +158,8 @@ class ProcessGroupHCA : public c10d::Backend {
   // TORCH_HCA_SELF_TEST is not "0" (read once, at the group's creation: not on
   // every call; the ranks' settings are compared before that).
   static bool self_test_wanted();
+  // Whether its CPU tensors go through the CPU model of the device (TORCH_HCA_CPU_EXECUTOR=streams).
+  bool cpu_on_model() const { return cpu_executor_kind_ == CpuExecutor::HostStreams; }
 
  private:
   // `ask` of the CPU or CUDA executor, or `none` where there is none (yet, or any more).

@@ -24,7 +24,8 @@ class CudaCall final : public StreamCall {
   CudaCall(int device, DeviceRuntime::Stream internal, DeviceRuntime::Stream caller)
       : StreamCall(cuda::runtime(), device, internal, caller) {}
 
-  void on_stream(std::function<void()> fn) const override {
+  void on_stream(std::function<void()> fn) const override { from_host(std::move(fn)); }
+  void from_host(std::function<void()> fn) const override {
     c10::cuda::CUDAStreamGuard guard(torch_stream(stream(), device_index()));  // the device too
     at::NoGradGuard no_grad;  // the backend's copies into leaves that require grad
     fn();
