@@ -128,7 +128,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
     }
   };
   std::shared_ptr<StreamCall> call;
-  if (CallStreams* streams = call_streams(args.device())) {
+  // A call without tensors (a barrier) has none, as on CUDA, where its device reads as the CPU.
+  if (CallStreams* streams = args.dense().empty() ? nullptr : call_streams(args.device())) {
     call = streams->call(args.device());
     // Taken now, on the caller's thread: the stages (the node's group, the engines among
     // leaders) reach the device in this call's turn, whenever the worker gets to them.
