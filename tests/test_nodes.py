@@ -205,6 +205,23 @@ def test_across_named_nodes_on_the_model_of_the_device(name):
     assert run_ranks(_stream_rules, world, env_per_rank=env) == [[]] * world
 
 
+def _training_by_value(rank, world):
+    """DDP's and FSDP2's parameters after the same steps over hca and over gloo, as arrays (tensors
+    travel to the test as file descriptors, which end with the rank)."""
+    runs = (node_cases.ddp_hca_and_gloo(rank, world), node_cases.fsdp2_hca_and_gloo(rank, world))
+    return [[[p.numpy() for p in params] for params in run] for run in runs]
+
+
+def test_training_across_named_nodes_on_the_model_of_the_device_matches_gloo():
+    ids = LAYOUTS["2x2"]
+    env = [{**e, **STREAMS_ENV} for e in _node_env(ids)]
+    for rank, runs in enumerate(run_ranks(_training_by_value, len(ids), env_per_rank=env)):
+        for wrapper, (hca, gloo) in zip(("DDP", "FSDP2"), runs):
+            for a, b in zip(hca, gloo, strict=True):
+                torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, w=wrapper, r=rank: f"{w}, rank {r}: {m}")
+
+
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda), "cpu-streams", "cpu"])
 def test_stages_across_nodes_issue_in_their_calls_turn(device):
     """On one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), an async call across nodes and a
