@@ -237,9 +237,10 @@ def test_stages_across_nodes_issue_in_their_calls_turn(device):
                      env_per_rank=env, pg_timeout_s=20.0) == [[]] * len(ids)
 
 
-def test_a_dead_named_node_is_reported_by_the_others():
-    got = run_ranks(node_cases.node_dies, 4, [2, 3], env_per_rank=_node_env(LAYOUTS["2x2"]), pg_timeout_s=20,
-                    allow_missing=(2, 3))
+@pytest.mark.parametrize("model", [False, True], ids=["host", "model-of-the-device"])
+def test_a_dead_named_node_is_reported_by_the_others(model):
+    env = [{**e, **(STREAMS_ENV if model else {})} for e in _node_env(LAYOUTS["2x2"])]
+    got = run_ranks(node_cases.node_dies, 4, [2, 3], env_per_rank=env, pg_timeout_s=20, allow_missing=(2, 3))
     for kind, message, seconds in got[:2]:
         assert kind == "DistBackendError", message
         assert "across nodes failed" in message and "node 0 of 2 (ranks 0, 1)" in message
