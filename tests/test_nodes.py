@@ -190,16 +190,19 @@ def _stream_rules(rank, world):
     return [w for w in wrong if w]
 
 
-@pytest.mark.parametrize("name", ["2x2", "3+2"])
-def test_across_named_nodes_on_the_model_of_the_device(name):
+@pytest.mark.parametrize("name, own_devices", [("2x2", False), ("3+2", False), ("2x2", True)])
+def test_across_named_nodes_on_the_model_of_the_device(name, own_devices):
     """The CPU model of the device, the CUDA path's check, runs the node's group and the call's own
     stages (packing, the exchange among the leaders through gloo, the copies back): on the call's
     stream, in its turn, the host standing for that stream while gloo reads it, as the CUDA path
     stages its tensors in host memory. Every result against references; the caller's kernel
-    before a call, and a peer 0.2 s late."""
+    before a call, and a peer 0.2 s late. The ranks share one device, or each has its own and
+    never makes it current."""
     ids = LAYOUTS[name]
     world = len(ids)
-    env = [{**e, **STREAMS_ENV} for e in _node_env(ids)]
+    own = [{"TORCH_HCA_MODEL_DEVICES": str(world), "TORCH_HCA_MODEL_DEVICE": str(r)} if own_devices else {}
+           for r in range(world)]
+    env = [{**e, **STREAMS_ENV, **own[r]} for r, e in enumerate(_node_env(ids))]
     assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), env_per_rank=env) == [[]] * world
     assert run_ranks(node_cases.rooted_and_gathers, world, env_per_rank=env) == [[]] * world
     assert run_ranks(_stream_rules, world, env_per_rank=env) == [[]] * world
