@@ -74,8 +74,9 @@ LAYOUTS = {
 }
 
 
-def _node_env(ids):
-    return [{"TORCH_HCA_NODE_ID": i} for i in ids]
+def _node_env(ids, extra=None):
+    """Each rank's environment: its node's identity, and `extra` (the same for every rank)."""
+    return [{"TORCH_HCA_NODE_ID": i, **(extra or {})} for i in ids]
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -161,7 +162,7 @@ def test_cuda_tensors_across_named_nodes(name, engine):
     world = len(ids)
     if engine == "nccl" and not (NCCL_USABLE and nccl_fits(world)):
         pytest.skip("NCCL here cannot put several leaders on one GPU")
-    env = [{**e, **NCCL_SHARED_GPU_ENV} for e in _node_env(ids)]
+    env = _node_env(ids, NCCL_SHARED_GPU_ENV)
     assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), "cuda", engine,
                      env_per_rank=env) == [[]] * world
     assert run_ranks(node_cases.rooted_and_gathers, world, "hierarchical_copy", "cuda", engine,
@@ -202,7 +203,7 @@ def test_across_named_nodes_on_the_model_of_the_device(name, own_devices):
     world = len(ids)
     own = [{"TORCH_HCA_MODEL_DEVICES": str(world), "TORCH_HCA_MODEL_DEVICE": str(r)} if own_devices else {}
            for r in range(world)]
-    env = [{**e, **STREAMS_ENV, **own[r]} for r, e in enumerate(_node_env(ids))]
+    env = [{**e, **own[r]} for r, e in enumerate(_node_env(ids, STREAMS_ENV))]
     assert run_ranks(node_cases.allreduce_matrix, world, "hierarchical_copy", (0, 2), env_per_rank=env) == [[]] * world
     assert run_ranks(node_cases.rooted_and_gathers, world, env_per_rank=env) == [[]] * world
     assert run_ranks(_stream_rules, world, env_per_rank=env) == [[]] * world
@@ -217,7 +218,7 @@ def _training_by_value(rank, world):
 
 def test_training_across_named_nodes_on_the_model_of_the_device_matches_gloo():
     ids = LAYOUTS["2x2"]
-    env = [{**e, **STREAMS_ENV} for e in _node_env(ids)]
+    env = _node_env(ids, STREAMS_ENV)
     for rank, runs in enumerate(run_ranks(_training_by_value, len(ids), env_per_rank=env)):
         for wrapper, (hca, gloo) in zip(("DDP", "FSDP2"), runs):
             for a, b in zip(hca, gloo, strict=True):
@@ -234,15 +235,15 @@ def test_stages_across_nodes_issue_in_their_calls_turn(device):
     On CPU tensors, which queue nowhere, the same results."""
     ids = LAYOUTS["2x2"]
     # gloo among the leaders: NCCL refuses two leaders on one GPU.
-    env = [{**e, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_INTER_NODE_BACKEND": "gloo",
-            **(STREAMS_ENV if device == "cpu-streams" else {})} for e in _node_env(ids)]
+    env = _node_env(ids, {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_INTER_NODE_BACKEND": "gloo",
+                          **(STREAMS_ENV if device == "cpu-streams" else {})})
     assert run_ranks(node_cases.calls_in_turn_with_another_group, len(ids), "cuda" if device == "cuda" else "cpu",
                      env_per_rank=env, pg_timeout_s=20.0) == [[]] * len(ids)
 
 
 @pytest.mark.parametrize("model", [False, True], ids=["host", "model-of-the-device"])
 def test_a_dead_named_node_is_reported_by_the_others(model):
-    env = [{**e, **(STREAMS_ENV if model else {})} for e in _node_env(LAYOUTS["2x2"])]
+    env = _node_env(LAYOUTS["2x2"], STREAMS_ENV if model else None)
     got = run_ranks(node_cases.node_dies, 4, [2, 3], env_per_rank=env, pg_timeout_s=20, allow_missing=(2, 3))
     for kind, message, seconds in got[:2]:
         assert kind == "DistBackendError", message
