@@ -188,6 +188,38 @@ def _stream_rules(rank, world):
     model.enqueue_copy(t, inputs[rank][0], 150)
     dist.broadcast(t, src=world - 1)
     wrong.append(mismatch("broadcast after a kernel", t, inputs[world - 1][0], world))
+    return [w for w in wrong if w] + _forwarded_after_a_kernel(rank, world)
+
+
+def _forwarded_after_a_kernel(rank, world):
+    """The operations a group across nodes hands whole to the engine over every rank (NCCL for
+    CUDA tensors, which waits for the caller's stream; gloo on the model), each after the caller's
+    kernel writes its inputs 0.15 s late."""
+    model = torch_hca._C._model
+    data = [make_input(70, r, 8 * world, torch.float32, "SUM") for r in range(world)]
+
+    def late(r):
+        t = torch.zeros(8 * world)
+        model.enqueue_copy(t, data[r], 150)
+        return t
+
+    wrong = []
+    gathered = [torch.zeros(8 * world) for _ in range(world)] if rank == 0 else None
+    dist.gather(late(rank), gathered, dst=0)
+    if rank == 0:
+        wrong.append(mismatch("gather after a kernel", torch.cat(gathered), torch.cat(data), world))
+    out = torch.zeros(8 * world)
+    dist.scatter(out, [late(r) for r in range(world)] if rank == world - 1 else None, src=world - 1)
+    wrong.append(mismatch("scatter after a kernel", out, data[rank], world))
+    out = torch.zeros(8 * world)
+    dist.all_to_all_single(out, late(rank))
+    want = torch.cat([data[r][rank * 8:(rank + 1) * 8] for r in range(world)])
+    wrong.append(mismatch("all_to_all_single after a kernel", out, want, world))
+    got = torch.zeros(8 * world)
+    ops = [dist.P2POp(dist.isend, late(rank), (rank + 1) % world), dist.P2POp(dist.irecv, got, (rank - 1) % world)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    wrong.append(mismatch("send/recv ring after a kernel", got, data[(rank - 1) % world], world))
     return [w for w in wrong if w]
 
 
@@ -197,7 +229,7 @@ def test_across_named_nodes_on_the_model_of_the_device(name, own_devices):
     stages (packing, the exchange among the leaders through gloo, the copies back): on the call's
     stream, in its turn, the host standing for that stream while gloo reads it, as the CUDA path
     stages its tensors in host memory. Every result against references; the caller's kernel
-    before a call, and a peer 0.2 s late. The ranks share one device, or each has its own and
+    before a call (one with stages, or one handed whole to the engine), and a peer 0.2 s late. The ranks share one device, or each has its own and
     never makes it current."""
     ids = LAYOUTS[name]
     world = len(ids)

@@ -189,6 +189,22 @@ std::shared_ptr<StreamCall> CallStreams::call_on(int index) {
   return make_(index, stream, caller);
 }
 
+void CallStreams::synchronize_caller(const at::Device& device) {
+  const int index = index_of_(device);
+  DeviceGuard guard(runtime_, index);
+  as_backend_error([&] {
+    const DeviceRuntime::Event passed = runtime_.create_event();
+    try {
+      runtime_.record(passed, caller_stream_(index));
+      runtime_.synchronize(passed);
+    } catch (...) {
+      runtime_.destroy_event(passed);
+      throw;
+    }
+    runtime_.destroy_event(passed);
+  });
+}
+
 std::vector<int> CallStreams::devices() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<int> used;

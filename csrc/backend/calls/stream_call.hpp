@@ -122,6 +122,9 @@ class CallStreams {
   std::shared_ptr<StreamCall> call(const at::Device& device) { return call_on(index_of_(device)); }
   // The same, by the runtime's device index.
   std::shared_ptr<StreamCall> call_on(int device);
+  // Blocks the host until the calling thread's current stream of `device` has
+  // passed what was queued on it so far.
+  void synchronize_caller(const at::Device& device);
   // The runtime's indices of the devices this group has issued calls on.
   std::vector<int> devices();
   DeviceRuntime& runtime() const { return runtime_; }

@@ -52,8 +52,10 @@ EngineBackend::~EngineBackend() {
   leave_in_child(model_call_streams_);
 }
 
-std::unique_ptr<IssueTicket> EngineBackend::device_turn(const std::vector<at::Tensor>& tensors) const {
-  if (tensors.empty() || !tensors[0].defined() || !tensors[0].is_cuda() || !cuda_call_streams_) return nullptr;
+std::unique_ptr<IssueTicket> EngineBackend::engine_turn(const std::vector<at::Tensor>& tensors) const {
+  if (tensors.empty() || !tensors[0].defined()) return nullptr;
+  if (tensors[0].is_cpu() && model_call_streams_) model_call_streams_->synchronize_caller(tensors[0].device());
+  if (!tensors[0].is_cuda() || !cuda_call_streams_) return nullptr;
   auto ticket = std::make_unique<IssueTicket>(&cuda_call_streams_->runtime(),
                                               cuda_call_streams_->index_of(tensors[0].device()));
   ticket->await();

@@ -73,13 +73,13 @@ class EngineBackend : public c10d::Backend {
  protected:
   CallRecorder calls_;  // every public call goes through it (issue)
   // A public call: counted by the recorder, issued once the post-step of an
-  // earlier call (post_step) has run, in its turn on its device (device_turn).
+  // earlier call (post_step) has run, in its turn on its device (engine_turn).
   // The engines start a call at once, and it must see what that post-step wrote.
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> issue(const CommsCall& call, bool async_op, Issue&& issue_call) {
     settle_post_step();
     return record(call, async_op, [&] {
-      const auto turn = device_turn(call.inputs.empty() ? call.outputs : call.inputs);
+      const auto turn = engine_turn(call.inputs.empty() ? call.outputs : call.inputs);
       return issue_call();
     });
   }
@@ -88,8 +88,10 @@ class EngineBackend : public c10d::Backend {
   // work (IssueTicket, held until the engine has the call; ProcessGroupHCA's workers issue
   // in the same turns). NCCL's kernels wait for the peers', and on a hardware queue shared
   // with hca's streams, calls that reach the device in a different order on each rank
-  // deadlock. Null for CPU tensors, which queue nowhere.
-  std::unique_ptr<IssueTicket> device_turn(const std::vector<at::Tensor>& tensors) const;
+  // deadlock. Null for CPU tensors, which queue nowhere. On the CPU model of the device,
+  // where gloo stands for NCCL and reads and writes the tensors on the host at once, the
+  // host first waits for the caller's current stream, as NCCL's stream would.
+  std::unique_ptr<IssueTicket> engine_turn(const std::vector<at::Tensor>& tensors) const;
   // A public call, counted by the recorder, inside the group's life (refused once it ends).
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> record(const CommsCall& call, bool async_op, Issue&& issue_call) {

@@ -184,7 +184,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
     return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
-      const auto turn = device_turn(tensors);
+      const auto turn = engine_turn(tensors);
       return engine(tensors[0], "allreduce").allreduce(tensors, opts);
     });
   }

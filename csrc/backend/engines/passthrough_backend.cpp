@@ -42,7 +42,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   settle_post_step();  // the packs reach the engine here, before record (issue's steps, in this order)
   std::shared_ptr<nccl::PackedAllreduce> packed;
   {
-    const auto turn = device_turn(tensors);
+    const auto turn = engine_turn(tensors);
     packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
                                                      make_packs(args.descs(), packing_),
                                                      scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp,
