@@ -64,8 +64,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   // CUDA: the engine's results are divided and copied back on this group's
   // stream, which the caller's stream then waits for (it would race otherwise).
   std::shared_ptr<StreamCall> call;
-  if (args.device().is_cuda() && cuda_call_streams_) {
-    call = cuda_call_streams_->call(args.device());
+  if (CallStreams* streams = call_streams(args.device())) {
+    call = streams->call(args.device());
     body = issued_and_waited(call, call->keep(CallTensors{std::move(args), tensors}), std::move(body));
   }
   return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
