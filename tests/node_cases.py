@@ -109,9 +109,10 @@ def rooted_and_gathers(rank, world, algorithm="hierarchical_copy", device="cpu",
     return [e for e in errors if e]
 
 
-def forwarded_ops(rank, world, group, case):
+def forwarded_ops(rank, world, group, case, to_oneself=True):
     """gather, scatter, all_to_all_single and a send/recv ring (the operations hca's wrappers hand to
-    the stock engine over every rank), against their inputs; float8 too, which gloo knows only as bytes."""
+    the stock engine over every rank), against their inputs; float8 too, which gloo knows only as bytes;
+    with `to_oneself`, a message to oneself."""
     errors = []
     for dtype in (torch.float32, torch.float8_e4m3fn):
         case += 2
@@ -135,6 +136,15 @@ def forwarded_ops(rank, world, group, case):
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             errors.append(mismatch(f"send/recv ring {dtype}", got, inputs[(rank - 1) % world], world))
+        if not to_oneself:
+            continue
+        # To oneself: gloo takes none, the node's group does (as NCCL, an all-to-all's own block).
+        got = torch.zeros(64, dtype=dtype)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, inputs[rank].clone(), rank, group),
+                                        dist.P2POp(dist.irecv, got, rank, group)])
+        for work in works:
+            work.wait()
+        errors.append(mismatch(f"send/recv to oneself {dtype}", got, inputs[rank], world))
     return errors
 
 

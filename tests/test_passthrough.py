@@ -60,7 +60,7 @@ def test_every_packing_branch_on_cuda_through_nccl(world):
 
 def _forwarded(rank, world):
     """Everything but allreduce goes straight to the engine (float8 as bytes, which gloo moves)."""
-    errors = forwarded_ops(rank, world, dist.group.WORLD, 11)
+    errors = forwarded_ops(rank, world, dist.group.WORLD, 11, to_oneself=False)  # gloo refuses those
     eights = [make_input(6, r, 100, torch.float8_e4m3fn, "SUM") for r in range(world)]
     inputs = [make_input(5, r, 100, torch.float32, "SUM") for r in range(world)]
     for moved in (inputs, eights):
@@ -97,7 +97,7 @@ NOT_FOR_GLOO = {torch.int16: "Short", torch.uint16: "UInt16", torch.uint32: "UIn
 def _refused_before_the_engine(rank, world):
     """What gloo cannot take gets hca's own error, as under the other algorithms, before gloo sees
     it: gloo says only "Invalid scalar type", and an AVG of integers it sums, then fails to divide,
-    and leaves the sums in the tensors."""
+    and leaves the sums in the tensors. A message to oneself, which gloo refuses, is named as such."""
     msgs = {}
     for dtype, name in NOT_FOR_GLOO.items():
         t = torch.ones(4 * world, dtype=dtype)
@@ -133,6 +133,10 @@ def _refused_before_the_engine(rank, world):
                          "reduce_scatter": lambda: dist.reduce_scatter(float_out, list(floats.chunk(world)), op=OPS[op]),
                          }.items():
             msgs[f"{call} {op} float32"] = (raises(fn, ValueError), f"ReduceOp.{op} is not supported for float32")
+    own = torch.ones(3)  # gloo would fail with "Pair is not connected"
+    for call, fn in {"isend to itself": lambda: dist.isend(own, rank),
+                     "irecv from itself": lambda: dist.irecv(own, rank)}.items():
+        msgs[call] = (raises(fn, NotImplementedError), f"a message of CPU tensors from rank {rank} to itself: gloo")
     untouched = (torch.equal(ints, torch.full((2 * world,), rank + 1, dtype=torch.int32)) and not out.any()
                  and torch.equal(floats, torch.full((2 * world,), float(rank + 1))) and not float_out.any())
     t = torch.full((3,), float(rank + 1))

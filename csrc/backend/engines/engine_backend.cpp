@@ -107,6 +107,16 @@ c10d::Backend& EngineBackend::engine(const at::Tensor& tensor, const char* op) c
   return *chosen;
 }
 
+EngineBackend::MessageRoute EngineBackend::message_route(const at::Tensor& tensor, int peer, const char* op) const {
+  if (peer != getRank() || !tensor.is_cpu()) return {engine(tensor, op), peer};
+  life_.owner().check(op);
+  const auto own = own_messages();
+  TORCH_CHECK_NOT_IMPLEMENTED(own, "hca ", op, ": a message of CPU tensors from rank ", peer, " to itself: gloo, "
+                              "which carries this group's CPU messages (algorithm=\"nccl\"), takes none; hca's own "
+                              "algorithms do");
+  return *own;
+}
+
 void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   const auto inside = life_.enter("monitoredBarrier");
   engines_.cpu->monitoredBarrier(opts, wait_all_ranks);
@@ -175,7 +185,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tens
   return issue(CommsCall::message("send", tensors, dst), true,
                 [&] {
                   auto bytes = engine_bytes(tensors, "send");
-                  return engine(tensors[0], "send").send(bytes, dst, tag);
+                  const auto to = message_route(tensors[0], dst, "send");
+                  return to.backend.send(bytes, to.peer, tag);
                 });
 }
 
@@ -184,7 +195,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tens
   return issue(CommsCall::message("recv", tensors, src), true,
                 [&] {
                   auto bytes = engine_bytes(tensors, "recv");
-                  return engine(tensors[0], "recv").recv(bytes, src, tag);
+                  const auto from = message_route(tensors[0], src, "recv");
+                  return from.backend.recv(bytes, from.peer, tag);
                 });
 }
 

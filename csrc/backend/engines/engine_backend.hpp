@@ -3,6 +3,7 @@
 // `nccl` algorithm's wrapper and of the group across nodes.
 #pragma once
 #include <mutex>
+#include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "../calls/call_record.hpp"
@@ -110,6 +111,16 @@ class EngineBackend : public c10d::Backend {
   void settle_post_step();
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
+  // Where a message between this rank and `peer` (a rank of this group) on `tensor`'s device
+  // goes: its engine, and the peer's rank there.
+  struct MessageRoute {
+    c10d::Backend& backend;
+    int peer;
+  };
+  MessageRoute message_route(const at::Tensor& tensor, int peer, const char* op) const;
+  // Messages to oneself of CPU tensors, which gloo takes none of (NCCL takes them), go here: a
+  // group of hca's own and this rank's rank in it; none (they are refused) unless a subclass has one.
+  virtual std::optional<MessageRoute> own_messages() const { return std::nullopt; }
   c10d::Backend& cpu_engine(const char* op) const {
     life_.owner().check(op);
     return *engines_.cpu;
