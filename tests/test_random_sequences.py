@@ -22,8 +22,10 @@ SIZES = [1, 3, 17, 1000, 16385, 70_001, 200_003]
 CALLS = 40
 
 
-def _random_options(rnd, world):
-    algorithm = rnd.choice([None, "hierarchical_copy", "reduce_to_one_device", "direct"])
+def _random_options(rnd, world, across_nodes=False):
+    """Options for one group; across nodes, those a group across nodes takes (no `direct`, which
+    reads every peer's memory, and no explicit groups)."""
+    algorithm = rnd.choice([None, "hierarchical_copy", "reduce_to_one_device"] + ([] if across_nodes else ["direct"]))
     options = {"algorithm": algorithm}
     if algorithm in (None, "hierarchical_copy"):
         if rnd.random() < 0.6:
@@ -31,7 +33,7 @@ def _random_options(rnd, world):
             if options["num_packs"] == 0 and rnd.random() < 0.5:
                 options["agg_small_grads_max_bytes"] = rnd.choice([64, 4096, 100_000])
                 options["agg_small_grads_max_group"] = rnd.choice([1, 2, 5])
-        if world > 1 and rnd.random() < 0.3:
+        if world > 1 and not across_nodes and rnd.random() < 0.3:
             ranks = rnd.sample(range(world), world)
             cut = rnd.randrange(1, world)
             options["groups"] = [sorted(ranks[:cut]), sorted(ranks[cut:])]
@@ -194,14 +196,17 @@ class _All:
 
 KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all,
          _premul_sum, _list_forms, _gather_or_scatter, _ring]
+# A group across nodes refuses PREMUL_SUM with a ValueError (test_nodes.py).
+KINDS_ACROSS_NODES = [kind for kind in KINDS if kind is not _premul_sum]
 
 
-def _sequence(rank, world, device, seed):
+def _sequence(rank, world, device, seed, across_nodes=False):
     rnd = random.Random(seed)  # every rank draws the same sequence
     dev = rank_device(device, rank)
+    kinds = KINDS_ACROSS_NODES if across_nodes else KINDS
     groups = []
     for _ in range(3):
-        options = _random_options(rnd, world)
+        options = _random_options(rnd, world, across_nodes)
         groups.append((dist.new_group(backend="hca", pg_options=torch_hca.Options(**options)), options))
     errors, pending = [], []
 
@@ -214,7 +219,7 @@ def _sequence(rank, world, device, seed):
 
     for i in range(CALLS):
         group, options = rnd.choice(groups)
-        kind = rnd.choice(KINDS)
+        kind = rnd.choice(kinds)
         dtype = rnd.choice(DTYPES)
         op = rnd.choice([o for o in OPS if supported(dtype, o)])
         numel, async_op = rnd.choice(SIZES), rnd.random() < 0.5
@@ -242,3 +247,16 @@ def test_random_sequences_match_references(seed, device):
     # calls there in the order they were made, the same on every rank, or the ranks deadlock.
     env = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert run_ranks(_sequence, world, device, seed, env=env) == [[]] * world
+
+
+@pytest.mark.parametrize("seed, nodes", [(10, ["a", "b"]), (11, ["a", "a", "b"]), (12, ["a", "b", "a", "b"]),
+                                         (13, ["a", "a", "a", "b", "b"])])
+def test_random_sequences_across_named_nodes_match_references(seed, nodes, device):
+    """The same across nodes (TORCH_HCA_NODE_ID): hca inside each node, gloo among the leaders,
+    the rest handed whole to the engine over every rank; on the CPU model of the device too
+    (`cpu-streams`), where the stages run on the calls' streams in their turns."""
+    if device == "cuda":
+        pytest.skip("across nodes on one GPU: covered by test_nodes.py's CUDA tests")
+    world = len(nodes)
+    env = [{**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_NODE_ID": node} for node in nodes]
+    assert run_ranks(_sequence, world, device, seed, True, env_per_rank=env) == [[]] * world
