@@ -148,6 +148,76 @@ def forwarded_ops(rank, world, group, case, to_oneself=True):
     return errors
 
 
+def _strided(values):
+    """`values` in a view of every other element, at an offset: not contiguous."""
+    base = torch.zeros(2 * values.numel() + 3, dtype=values.dtype)
+    view = base[3::2]
+    view.copy_(values)
+    return view
+
+
+def strided_engine_ops(rank, world, group=None, premul=False):
+    """The operations a stock engine carries (all but all_reduce under algorithm="nccl"; those handed
+    whole across nodes), on views that are not contiguous: gloo read and wrote them as if they
+    were (broadcast, reduce, scatter and reduce_scatter came out wrong, silently) or refused them.
+    Every result against its input or a float64 reference; the views' other elements untouched."""
+    errors = []
+    n = 6 * world
+    data = [make_input(900, r, n, torch.float32, "SUM") for r in range(world)]
+    total = reduce_reference(data, "SUM")
+
+    def check(what, view, want):
+        errors.append(mismatch(what, view, want, world))
+        if view._base is not None:
+            rest = view._base.clone()
+            rest[3::2] = 0
+            if rest.any():
+                errors.append(f"{what}: elements outside the view were written")
+
+    for root in range(world):
+        t = _strided(data[rank])
+        dist.broadcast(t, src=root, group=group)
+        check(f"broadcast from {root}", t, data[root])
+        t = _strided(data[rank])
+        dist.reduce(t, dst=root, group=group)
+        check(f"reduce to {root}", t, total if rank == root else data[rank])
+    outs = [_strided(torch.zeros(n)) for _ in range(world)]
+    dist.all_gather(outs, _strided(data[rank]), group=group)
+    check("all_gather", torch.cat([o.clone() for o in outs]), torch.cat(data))
+    flat = _strided(torch.zeros(n * world))
+    all_gather_single(flat, _strided(data[rank]), group=group)
+    check("all_gather_single", flat, torch.cat(data))
+    gathered = [_strided(torch.zeros(n)) for _ in range(world)] if rank == 0 else None
+    dist.gather(_strided(data[rank]), gathered, dst=0, group=group)
+    if rank == 0:
+        check("gather", torch.cat([g.clone() for g in gathered]), torch.cat(data))
+    out = _strided(torch.zeros(n))
+    dist.scatter(out, [_strided(d) for d in data] if rank == world - 1 else None, src=world - 1, group=group)
+    check("scatter", out, data[rank])
+    out = _strided(torch.zeros(n))
+    dist.all_to_all_single(out, _strided(data[rank]), group=group)
+    check("all_to_all_single", out, torch.cat([d[rank * 6:(rank + 1) * 6] for d in data]))
+    part = total[rank * 6:(rank + 1) * 6]
+    out = _strided(torch.zeros(6))
+    dist.reduce_scatter(out, [_strided(c.clone()) for c in data[rank].chunk(world)], group=group)
+    check("reduce_scatter", out, part)
+    out = _strided(torch.zeros(6))
+    reduce_scatter_single(out, _strided(data[rank]), group=group)
+    check("reduce_scatter_single", out, part)
+    if premul:
+        out = _strided(torch.zeros(6))
+        reduce_scatter_single(out, _strided(data[rank]), op=dist._make_nccl_premul_sum(0.5), group=group)
+        check("reduce_scatter_single PREMUL_SUM", out, part * 0.5)
+    if world > 1:
+        got = torch.zeros(n)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, _strided(data[rank]), (rank + 1) % world, group),
+                                        dist.P2POp(dist.irecv, got, (rank - 1) % world, group)])
+        for work in works:
+            work.wait()
+        check("send from a view", got, data[(rank - 1) % world])
+    return [e for e in errors if e]
+
+
 def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):
     """An async all-reduce across nodes, then one on a second group (across the same nodes), each
     round. Rank 0 makes the second 50 ms later, when its worker has got to the first call's stages;

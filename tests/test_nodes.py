@@ -241,6 +241,14 @@ def test_across_named_nodes_on_the_model_of_the_device(name, own_devices):
     assert run_ranks(_stream_rules, world, env_per_rank=env) == [[]] * world
 
 
+@pytest.mark.parametrize("name, env", [("2x2", {}), ("3+2", STREAMS_ENV)])
+def test_views_that_are_not_contiguous_across_named_nodes(name, env):
+    """The operations handed whole to the engine over every rank take them as dense copies, as the
+    stages do; on the CPU model of the device too."""
+    ids = LAYOUTS[name]
+    assert run_ranks(node_cases.strided_engine_ops, len(ids), env_per_rank=_node_env(ids, env)) == [[]] * len(ids)
+
+
 def _training_by_value(rank, world):
     """DDP's and FSDP2's parameters after the same steps over hca and over gloo, as arrays (tensors
     travel to the test as file descriptors, which end with the rank)."""

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
-from node_cases import forwarded_ops
+from node_cases import forwarded_ops, strided_engine_ops
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
                        reduce_scatter_single, supported)
 
@@ -73,10 +73,11 @@ def _forwarded(rank, world):
         flat = torch.empty(100 * world, dtype=t.dtype)
         all_gather_single(flat, moved[rank])
         errors.append(mismatch(f"all_gather_single {t.dtype}", flat, torch.cat(moved), world))
-    t = inputs[rank].clone()
-    dist.reduce(t, dst=0)
-    if rank == 0:
-        errors.append(mismatch("reduce", t, reduce_reference(inputs, "SUM"), world))
+    for dst in range(world):  # a non-root's tensor stays as given, as with NCCL (gloo wrote in it)
+        t = inputs[rank].clone()
+        dist.reduce(t, dst=dst)
+        want = reduce_reference(inputs, "SUM") if rank == dst else inputs[rank]
+        errors.append(mismatch(f"reduce to {dst}{'' if rank == dst else ', kept by a non-root'}", t, want, world))
     dist.barrier()
     ops = torch_hca.AllReduceCrossDeviceOps("nccl", num_packs=2)
     summed = ops.batch_reduce("mean", [inputs[rank], inputs[rank][:7]])
@@ -88,6 +89,19 @@ def _forwarded(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_other_collectives_reach_the_engine(world):
     assert run_ranks(_forwarded, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
+
+
+def _views_and_a_receive_into_one(rank, world):
+    refused = raises(lambda: dist.irecv(torch.zeros(8)[::2], (rank + 1) % world), ValueError)
+    return strided_engine_ops(rank, world, premul=True), refused
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_views_that_are_not_contiguous_reach_the_engine_as_copies(world):
+    for wrong, refused in run_ranks(_views_and_a_receive_into_one, world, pg_options=torch_hca.Options("nccl")):
+        assert wrong == []
+        assert refused.startswith("hca recv: a non-contiguous CPU tensor (sizes [4], strides [2]) to receive into"), \
+            refused
 
 
 # Dtypes gloo neither moves nor reduces ("Invalid scalar type"), as torch names them.

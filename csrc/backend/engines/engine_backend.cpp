@@ -25,6 +25,76 @@ std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<
   return viewed;
 }
 
+at::Tensor EngineTensors::input(const at::Tensor& t) {
+  return t.defined() && t.is_cpu() && t.layout() == at::kStrided ? t.contiguous() : t;
+}
+
+std::vector<at::Tensor> EngineTensors::inputs(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> given;
+  for (const auto& t : ts) given.push_back(input(t));
+  return given;
+}
+
+std::vector<std::vector<at::Tensor>> EngineTensors::inputs(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<std::vector<at::Tensor>> given;
+  for (const auto& list : lists) given.push_back(inputs(list));
+  return given;
+}
+
+at::Tensor EngineTensors::output(const at::Tensor& t) {
+  const at::Tensor given = input(t);
+  if (!given.is_same(t)) back_.emplace_back(t, given);
+  return given;
+}
+
+std::vector<at::Tensor> EngineTensors::outputs(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> given;
+  for (const auto& t : ts) given.push_back(output(t));
+  return given;
+}
+
+std::vector<std::vector<at::Tensor>> EngineTensors::outputs(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<std::vector<at::Tensor>> given;
+  for (const auto& list : lists) given.push_back(outputs(list));
+  return given;
+}
+
+void EngineTensors::write_back() const {
+  at::NoGradGuard no_grad;  // into leaves that require grad, as hca's own write-backs
+  for (const auto& [callers, engines] : back_) callers.copy_(engines);
+}
+
+void EngineBackend::check_received_into_contiguous(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TORCH_CHECK_VALUE(!t.defined() || !t.is_cpu() || t.is_contiguous(), "hca recv: a non-contiguous CPU tensor (sizes ",
+                      t.sizes(), ", strides ", t.strides(), ") to receive into, where gloo carries this group's CPU "
+                      "messages (algorithm=\"nccl\", or across nodes) and receives into contiguous memory only; "
+                      "receive into a contiguous tensor and copy it");
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::then(c10::intrusive_ptr<c10d::Work> engine_work, c10d::OpType type,
+                                                   std::vector<at::Tensor> results, std::function<void()> step,
+                                                   bool async_op) {
+  if (!step) return engine_work;
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(results),
+                                           [engine_work, step = std::move(step)] {
+                                             engine_work->wait();
+                                             step();
+                                           });
+  post_step(work);
+  queue().submit(work, !async_op);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::written_back(c10::intrusive_ptr<c10d::Work> engine_work,
+                                                           c10d::OpType type, std::vector<at::Tensor> results,
+                                                           EngineTensors written, bool async_op) {
+  std::function<void()> step;
+  if (written.copies()) step = [written = std::move(written)] { written.write_back(); };
+  return then(std::move(engine_work), type, std::move(results), std::move(step), async_op);
+}
+
 void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
   const auto plan = plan_op(reduce_op);
   const bool bitwise = plan && is_bitwise(*plan);
@@ -127,9 +197,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at:
   check_nonempty(inputs.size(), "the input list", "gather");
   return issue({"gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs, "gather");
-                  auto ins = engine_bytes(inputs, "gather");
-                  return engine(inputs[0], "gather").gather(outs, ins, opts);
+                  EngineTensors written;
+                  auto outs = engine_bytes(written.outputs(outputs), "gather");
+                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "gather");
+                  return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), c10d::OpType::GATHER,
+                                      flattened(outputs), std::move(written), opts.asyncOp);
                 });
 }
 
@@ -139,9 +211,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
   check_nonempty(outputs.size(), "the output list", "scatter");
   return issue({"scatter", flattened(inputs), outputs}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs, "scatter");
-                  auto ins = engine_bytes(inputs, "scatter");
-                  return engine(outputs[0], "scatter").scatter(outs, ins, opts);
+                  EngineTensors written;
+                  auto outs = engine_bytes(written.outputs(outputs), "scatter");
+                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "scatter");
+                  return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), c10d::OpType::SCATTER,
+                                      outputs, std::move(written), opts.asyncOp);
                 });
 }
 
@@ -150,9 +224,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
   return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
-    auto out = engine_bytes(output, "alltoall_base");
-    auto in = engine_bytes(input, "alltoall_base");
-    return engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts);
+    EngineTensors written;
+    auto out = engine_bytes(written.output(output), "alltoall_base");
+    auto in = engine_bytes(EngineTensors::input(input), "alltoall_base");
+    return written_back(engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
+                        c10d::OpType::ALLTOALL_BASE, {output}, std::move(written), opts.asyncOp);
   });
 }
 
@@ -162,9 +238,11 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
   check_nonempty(inputs.size(), "the input list", "alltoall");
   return issue({"all_to_all", inputs, outputs}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs, "alltoall");
-                  auto ins = engine_bytes(inputs, "alltoall");
-                  return engine(inputs[0], "alltoall").alltoall(outs, ins, opts);
+                  EngineTensors written;
+                  auto outs = engine_bytes(written.outputs(outputs), "alltoall");
+                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "alltoall");
+                  return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), c10d::OpType::ALLTOALL,
+                                      outputs, std::move(written), opts.asyncOp);
                 });
 }
 
@@ -174,9 +252,12 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
   return issue({"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs, "allgather_coalesced");
-                  auto ins = engine_bytes(inputs, "allgather_coalesced");
-                  return engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts);
+                  EngineTensors written;
+                  auto outs = engine_bytes(written.outputs(outputs), "allgather_coalesced");
+                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced");
+                  return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
+                                      c10d::OpType::ALLGATHER_COALESCED, flattened(outputs), std::move(written),
+                                      opts.asyncOp);
                 });
 }
 
@@ -184,7 +265,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tens
   check_nonempty(tensors.size(), "the tensor list", "send");
   return issue(CommsCall::message("send", tensors, dst), true,
                 [&] {
-                  auto bytes = engine_bytes(tensors, "send");
+                  auto bytes = engine_bytes(EngineTensors::inputs(tensors), "send");
                   const auto to = message_route(tensors[0], dst, "send");
                   return to.backend.send(bytes, to.peer, tag);
                 });
@@ -192,6 +273,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tens
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
+  if (src != getRank() || !own_messages()) check_received_into_contiguous(tensors);
   return issue(CommsCall::message("recv", tensors, src), true,
                 [&] {
                   auto bytes = engine_bytes(tensors, "recv");
@@ -202,6 +284,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tens
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
+  check_received_into_contiguous(tensors);
   return issue(CommsCall::message("recv", tensors, -1), true,
                 [&] {
                   auto bytes = engine_bytes(tensors, "recv");

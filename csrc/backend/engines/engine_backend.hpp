@@ -9,6 +9,7 @@
 #include "../calls/call_record.hpp"
 #include "../calls/issue_order.hpp"
 #include "../calls/stream_call.hpp"
+#include "../calls/work_hca.hpp"
 #include "../c10d_overrides.hpp"
 #include "../group/group_life.hpp"
 
@@ -28,6 +29,30 @@ struct Engines {
 at::Tensor engine_bytes(const at::Tensor& tensor, const char* op);
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op);
 std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op);
+
+// The tensors a stock engine gets for one call. gloo reads and writes a CPU tensor
+// from its data pointer as if it were contiguous (a strided view's broadcast,
+// reduce, scatter or reduce-scatter came out wrong, silently) or refuses it
+// (all-to-all, messages): a non-contiguous CPU tensor goes to the engine as a
+// dense copy, and an output's copy is written back after the engine's call.
+// CUDA tensors go as they are: NCCL refuses non-contiguous ones, naming them.
+class EngineTensors {
+ public:
+  // An input: `t`, or a dense copy.
+  static at::Tensor input(const at::Tensor& t);
+  static std::vector<at::Tensor> inputs(const std::vector<at::Tensor>& ts);
+  static std::vector<std::vector<at::Tensor>> inputs(const std::vector<std::vector<at::Tensor>>& lists);
+  // An output (which in-place forms read too): `t`, or a dense copy of it, written back by write_back().
+  at::Tensor output(const at::Tensor& t);
+  std::vector<at::Tensor> outputs(const std::vector<at::Tensor>& ts);
+  std::vector<std::vector<at::Tensor>> outputs(const std::vector<std::vector<at::Tensor>>& lists);
+  bool copies() const { return !back_.empty(); }
+  // The engine's results into the caller's tensors (after its call has finished).
+  void write_back() const;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> back_;  // (the caller's, the engine's)
+};
 
 // Before a reduction reaches a stock engine, hca's own errors. CPU tensors (to
 // gloo): a TypeError for a dtype gloo cannot reduce (float8, int16, ...), a
@@ -109,6 +134,20 @@ class EngineBackend : public c10d::Backend {
   void post_step(c10::intrusive_ptr<c10d::Work> work);
   // Waits for that post-step (issue does; a call that reaches an engine before issue, too).
   void settle_post_step();
+  // `engine_work`, or where there is a `step` (host code on the engine's results: hca's
+  // arithmetic, a write-back), a Work of the group's queue that waits for the engine's and
+  // then runs it; later calls wait for that (post_step). Collectives only: the queue runs
+  // one step at a time, and a receive's would hold up the calls its sender may wait for.
+  c10::intrusive_ptr<c10d::Work> then(c10::intrusive_ptr<c10d::Work> engine_work, c10d::OpType type,
+                                      std::vector<at::Tensor> results, std::function<void()> step, bool async_op);
+  // `engine_work`, then `written`'s write-back where it copied.
+  c10::intrusive_ptr<c10d::Work> written_back(c10::intrusive_ptr<c10d::Work> engine_work, c10d::OpType type,
+                                              std::vector<at::Tensor> results, EngineTensors written, bool async_op);
+  // ValueError for a non-contiguous CPU tensor a message is received into (gloo receives into
+  // contiguous memory only, and a step on the queue could hold up what its sender waits for).
+  static void check_received_into_contiguous(const std::vector<at::Tensor>& tensors);
+  // The group's queue, where `then` runs its steps.
+  virtual WorkQueue& queue() = 0;
   // The engine for `tensor`'s device, or NotImplementedError naming `op` and the device.
   c10d::Backend& engine(const at::Tensor& tensor, const char* op) const;
   // Where a message between this rank and `peer` (a rank of this group) on `tensor`'s device

@@ -45,6 +45,7 @@ class NodeBackend : public EngineBackend {
   // The node's group, then the engines among leaders and of the world.
   void end_parts(bool abort) override;
   void stop_queue() override { queue_.stop(); }
+  WorkQueue& queue() override { return queue_; }
   // Through the node's group, which takes them as NCCL does.
   std::optional<MessageRoute> own_messages() const override {
     return MessageRoute{*local_, nodes_.local_rank[getRank()]};

@@ -87,8 +87,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
   return issue({"broadcast", tensors, tensors}, opts.asyncOp,
                 [&] {
-                  auto bytes = engine_bytes(tensors, "broadcast");
-                  return engine(tensors[0], "broadcast").broadcast(bytes, opts);
+                  EngineTensors written;
+                  auto bytes = engine_bytes(written.outputs(tensors), "broadcast");
+                  return written_back(engine(tensors[0], "broadcast").broadcast(bytes, opts), c10d::OpType::BROADCAST,
+                                      tensors, std::move(written), opts.asyncOp);
                 });
 }
 
@@ -96,8 +98,20 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
   check_engine_reduction(tensors, opts.reduceOp, "reduce");
-  return issue({"reduce", tensors, tensors}, opts.asyncOp,
-                [&] { return engine(tensors[0], "reduce").reduce(tensors, opts); });
+  return issue({"reduce", tensors, tensors}, opts.asyncOp, [&] {
+    // gloo works in the tensors of every rank and leaves partial results in those of ranks other
+    // than the root; NCCL, and hca's own algorithms, leave them as given: so gloo gets copies
+    // there (taken here, after an earlier call's post-step has written the tensors).
+    EngineTensors written;
+    std::vector<at::Tensor> given;
+    if (tensors[0].is_cpu() && getRank() != opts.rootRank) {
+      for (const auto& t : tensors) given.push_back(t.clone(at::MemoryFormat::Contiguous));
+    } else {
+      given = written.outputs(tensors);
+    }
+    return written_back(engine(tensors[0], "reduce").reduce(given, opts), c10d::OpType::REDUCE, tensors,
+                        std::move(written), opts.asyncOp);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -106,9 +120,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
   check_nonempty(inputs.size(), "the input list", "allgather");
   return issue({"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
                 [&] {
-                  auto outs = engine_bytes(outputs, "allgather");
-                  auto ins = engine_bytes(inputs, "allgather");
-                  return engine(inputs[0], "allgather").allgather(outs, ins, opts);
+                  EngineTensors written;
+                  auto outs = engine_bytes(written.outputs(outputs), "allgather");
+                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather");
+                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts),
+                                      c10d::OpType::ALLGATHER, flattened(outputs), std::move(written), opts.asyncOp);
                 });
 }
 
@@ -116,9 +132,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& o
                                                                    const c10d::AllgatherOptions& opts) {
   return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
                 [&] {
-                  auto out = engine_bytes(output, "allgather_into_tensor");
-                  auto in = engine_bytes(input, "allgather_into_tensor");
-                  return engine(input, "allgather_into_tensor")._allgather_base(out, in, opts);
+                  EngineTensors written;
+                  auto out = engine_bytes(written.output(output), "allgather_into_tensor");
+                  auto in = engine_bytes(EngineTensors::input(input), "allgather_into_tensor");
+                  return written_back(engine(input, "allgather_into_tensor")._allgather_base(out, in, opts),
+                                      c10d::OpType::_ALLGATHER_BASE, {output}, std::move(written), opts.asyncOp);
                 });
 }
 
@@ -126,9 +144,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesc
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
   return issue({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    auto outs = engine_bytes(outputs, "allgather_into_tensor");
-    auto ins = engine_bytes(inputs, "allgather_into_tensor");
-    return engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts);
+    EngineTensors written;
+    auto outs = engine_bytes(written.outputs(outputs), "allgather_into_tensor");
+    auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_into_tensor");
+    return written_back(engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts),
+                        c10d::OpType::COALESCED, outputs, std::move(written), opts.asyncOp);
   });
 }
 
@@ -141,8 +161,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
   return issue({"reduce_scatter", flat_inputs, outputs}, opts.asyncOp, [&] {
-    return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outputs, inputs, summing(opts, scale)),
-                        outputs, scale, opts.asyncOp);
+    EngineTensors written;
+    auto outs = written.outputs(outputs);
+    auto ins = EngineTensors::inputs(inputs);
+    return summed_then(engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outputs,
+                       outs, scale, std::move(written), opts.asyncOp);
   });
 }
 
@@ -151,8 +174,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
   check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
   return issue({"_reduce_scatter_base", {input}, {output}}, opts.asyncOp, [&] {
-    return scaled_after(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(output, input, summing(opts, scale)),
-                        {output}, scale, opts.asyncOp);
+    EngineTensors written;
+    auto out = written.output(output);
+    auto in = EngineTensors::input(input);
+    return summed_then(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
+                       {output}, {out}, scale, std::move(written), opts.asyncOp);
   });
 }
 
@@ -163,9 +189,12 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
   return issue({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
-                            .reduce_scatter_tensor_coalesced(outputs, inputs, summing(opts, scale)),
-                        outputs, scale, opts.asyncOp);
+    EngineTensors written;
+    auto outs = written.outputs(outputs);
+    auto ins = EngineTensors::inputs(inputs);
+    return summed_then(engine(inputs[0], "reduce_scatter_tensor")
+                           .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
+                       outputs, outs, scale, std::move(written), opts.asyncOp);
   });
 }
 
@@ -176,18 +205,21 @@ c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatter
   return engine_opts;
 }
 
-c10::intrusive_ptr<c10d::Work> PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
-                                                                std::vector<at::Tensor> results,
-                                                                const std::optional<PremulFactor>& scale, bool async_op) {
-  if (!scale) return engine_work;
-  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::REDUCE_SCATTER, results,
-                                           [engine_work, results, scale = *scale] {
-                                             engine_work->wait();
-                                             for (const auto& r : results) scale.multiply(r, r);
-                                           });
-  post_step(work);
-  queue_.submit(work, !async_op);
-  return work;
+c10::intrusive_ptr<c10d::Work> PassthroughBackend::summed_then(c10::intrusive_ptr<c10d::Work> engine_work,
+                                                               std::vector<at::Tensor> results,
+                                                               std::vector<at::Tensor> sums,
+                                                               const std::optional<PremulFactor>& scale,
+                                                               EngineTensors written, bool async_op) {
+  if (!scale) {
+    return written_back(std::move(engine_work), c10d::OpType::REDUCE_SCATTER, std::move(results), std::move(written),
+                        async_op);
+  }
+  return then(std::move(engine_work), c10d::OpType::REDUCE_SCATTER, std::move(results),
+              [sums = std::move(sums), scale = *scale, written = std::move(written)] {
+                for (const auto& s : sums) scale.multiply(s, s);
+                written.write_back();
+              },
+              async_op);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -30,6 +30,7 @@ class PassthroughBackend : public EngineBackend {
 
  protected:
   void stop_queue() override { queue_.stop(); }
+  WorkQueue& queue() override { return queue_; }
 
  private:
   // PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
@@ -38,10 +39,12 @@ class PassthroughBackend : public EngineBackend {
   // The engine's options for a reduce-scatter: SUM where `scale` multiplies after.
   static c10d::ReduceScatterOptions summing(const c10d::ReduceScatterOptions& opts,
                                             const std::optional<PremulFactor>& scale);
-  // `engine_work`, or (with a scale) a Work that waits for it and then scales `results`.
-  c10::intrusive_ptr<c10d::Work> scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
-                                              std::vector<at::Tensor> results, const std::optional<PremulFactor>& scale,
-                                              bool async_op);
+  // A reduce-scatter's `engine_work` into `sums` (the engine's outputs: `results`, or dense
+  // copies that `written` writes back), then the scale where there is one, then the write-back.
+  c10::intrusive_ptr<c10d::Work> summed_then(c10::intrusive_ptr<c10d::Work> engine_work,
+                                             std::vector<at::Tensor> results, std::vector<at::Tensor> sums,
+                                             const std::optional<PremulFactor>& scale, EngineTensors written,
+                                             bool async_op);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
   WorkQueue queue_;
