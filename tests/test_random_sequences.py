@@ -2,11 +2,13 @@
 
 The matrix tests check one collective, option and dtype at a time. Here the calls of a sequence
 (every collective, PREMUL_SUM, the list forms, gather, scatter, point-to-point rings) interleave
-on three groups at once, each with random options (algorithm, packing, small-tensor
-aggregation, the reducing rank, the hierarchy's groups), in random dtypes, ops, sizes and layouts
+on three groups at once, each with random options (algorithm, the nccl pass-through on CPU
+tensors among them, packing, small-tensor aggregation, the reducing rank, the hierarchy's
+groups), in random dtypes, ops, sizes and layouts
 (views at an offset, strided views), and half of them async: waited at once, later in a shuffled
 order, or left pending while later calls run. Every rank draws the same sequence from the seed.
 """
+import functools
 import random
 
 import pytest
@@ -22,11 +24,15 @@ SIZES = [1, 3, 17, 1000, 16385, 70_001, 200_003]
 CALLS = 40
 
 
-def _random_options(rnd, world, across_nodes=False):
+def _random_options(rnd, world, across_nodes=False, nccl=False):
     """Options for one group; across nodes, those a group across nodes takes (no `direct`, which
-    reads every peer's memory, and no explicit groups)."""
-    algorithm = rnd.choice([None, "hierarchical_copy", "reduce_to_one_device"] + ([] if across_nodes else ["direct"]))
+    reads every peer's memory, and no explicit groups). With `nccl`, the pass-through too (stock
+    engines: gloo for CPU tensors)."""
+    algorithm = rnd.choice([None, "hierarchical_copy", "reduce_to_one_device"] + ([] if across_nodes else ["direct"])
+                           + (["nccl"] if nccl else []))
     options = {"algorithm": algorithm}
+    if algorithm == "nccl" and rnd.random() < 0.5:
+        options["num_packs"] = rnd.choice([0, 1, 2, 3])
     if algorithm in (None, "hierarchical_copy"):
         if rnd.random() < 0.6:
             options["num_packs"] = rnd.choice([0, 1, 2, 3, 7])
@@ -167,10 +173,12 @@ def _gather_or_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, asy
     return [(work, f"scatter from {root}", out, pieces[rank], 1)]
 
 
-def _ring(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
-    """Every rank sends to the one `shift` ranks on (itself where 0) by isend/irecv, in one batch or
-    as two calls."""
-    shift = rnd.randrange(world)
+def _ring(rnd, rank, world, dev, group, case, dtype, op, numel, async_op, to_oneself=True):
+    """Every rank sends to the one `shift` ranks on (itself where 0, if `to_oneself`) by isend/irecv,
+    in one batch or as two calls."""
+    if not to_oneself and world == 1:
+        return []
+    shift = rnd.randrange(world) if to_oneself else 1 + rnd.randrange(world - 1)
     to, frm = (rank + shift) % world, (rank - shift) % world
     inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
     out = torch.empty(numel, dtype=dtype, device=dev)
@@ -206,7 +214,8 @@ def _sequence(rank, world, device, seed, across_nodes=False):
     kinds = KINDS_ACROSS_NODES if across_nodes else KINDS
     groups = []
     for _ in range(3):
-        options = _random_options(rnd, world, across_nodes)
+        # The pass-through on CPU tensors (gloo); NCCL refuses several ranks on one GPU.
+        options = _random_options(rnd, world, across_nodes, nccl=not across_nodes and dev.type == "cpu")
         groups.append((dist.new_group(backend="hca", pg_options=torch_hca.Options(**options)), options))
     errors, pending = [], []
 
@@ -220,10 +229,12 @@ def _sequence(rank, world, device, seed, across_nodes=False):
     for i in range(CALLS):
         group, options = rnd.choice(groups)
         kind = rnd.choice(kinds)
+        if kind is _ring and options["algorithm"] == "nccl":
+            kind = functools.partial(_ring, to_oneself=False)  # gloo takes no message to oneself
         dtype = rnd.choice(DTYPES)
         op = rnd.choice([o for o in OPS if supported(dtype, o)])
         numel, async_op = rnd.choice(SIZES), rnd.random() < 0.5
-        name = f"call {i}: {kind.__name__[1:]} {options} {dtype} {op} numel={numel}"
+        name = f"call {i}: {getattr(kind, 'func', kind).__name__[1:]} {options} {dtype} {op} numel={numel}"
         checks = kind(rnd, rank, world, dev, group, seed * 1000 + i, dtype, op, numel, async_op)
         checks = [(work, f"{name} {what}", got, want, w) for work, what, got, want, w in checks]
         if async_op and rnd.random() < 0.7:
