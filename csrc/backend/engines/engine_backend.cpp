@@ -5,6 +5,24 @@
 #include "../calls/call_args.hpp"
 
 namespace hca {
+namespace {
+
+// `fn` of each tensor, in a list or a list of lists.
+template <class Fn>
+std::vector<at::Tensor> each_of(const std::vector<at::Tensor>& tensors, Fn&& fn) {
+  std::vector<at::Tensor> mapped;
+  for (const auto& t : tensors) mapped.push_back(fn(t));
+  return mapped;
+}
+
+template <class Fn>
+std::vector<std::vector<at::Tensor>> each_of(const std::vector<std::vector<at::Tensor>>& lists, Fn&& fn) {
+  std::vector<std::vector<at::Tensor>> mapped;
+  for (const auto& list : lists) mapped.push_back(each_of(list, fn));
+  return mapped;
+}
+
+}  // namespace
 
 at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
   if (!tensor.defined()) return tensor;
@@ -14,31 +32,21 @@ at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
 }
 
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op) {
-  std::vector<at::Tensor> viewed;
-  for (const auto& t : tensors) viewed.push_back(engine_bytes(t, op));
-  return viewed;
+  return each_of(tensors, [op](const at::Tensor& t) { return engine_bytes(t, op); });
 }
 
 std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op) {
-  std::vector<std::vector<at::Tensor>> viewed;
-  for (const auto& list : lists) viewed.push_back(engine_bytes(list, op));
-  return viewed;
+  return each_of(lists, [op](const at::Tensor& t) { return engine_bytes(t, op); });
 }
 
 at::Tensor EngineTensors::input(const at::Tensor& t) {
   return t.defined() && t.is_cpu() && t.layout() == at::kStrided ? t.contiguous() : t;
 }
 
-std::vector<at::Tensor> EngineTensors::inputs(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> given;
-  for (const auto& t : ts) given.push_back(input(t));
-  return given;
-}
+std::vector<at::Tensor> EngineTensors::inputs(const std::vector<at::Tensor>& ts) { return each_of(ts, input); }
 
 std::vector<std::vector<at::Tensor>> EngineTensors::inputs(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<std::vector<at::Tensor>> given;
-  for (const auto& list : lists) given.push_back(inputs(list));
-  return given;
+  return each_of(lists, input);
 }
 
 at::Tensor EngineTensors::output(const at::Tensor& t) {
@@ -48,15 +56,11 @@ at::Tensor EngineTensors::output(const at::Tensor& t) {
 }
 
 std::vector<at::Tensor> EngineTensors::outputs(const std::vector<at::Tensor>& ts) {
-  std::vector<at::Tensor> given;
-  for (const auto& t : ts) given.push_back(output(t));
-  return given;
+  return each_of(ts, [this](const at::Tensor& t) { return output(t); });
 }
 
 std::vector<std::vector<at::Tensor>> EngineTensors::outputs(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<std::vector<at::Tensor>> given;
-  for (const auto& list : lists) given.push_back(outputs(list));
-  return given;
+  return each_of(lists, [this](const at::Tensor& t) { return output(t); });
 }
 
 void EngineTensors::write_back() const {
