@@ -1,12 +1,12 @@
 """Seeded random sequences of collectives, every result against its float64 reference.
 
 The matrix tests check one collective, option and dtype at a time. Here the calls of a sequence
-(every collective, PREMUL_SUM, the list forms, gather, scatter, point-to-point rings) interleave
-on three groups at once, each with random options (algorithm, the nccl pass-through on CPU
-tensors among them, packing, small-tensor aggregation, the reducing rank, the hierarchy's
-groups), in random dtypes, ops, sizes and layouts
-(views at an offset, strided views), and half of them async: waited at once, later in a shuffled
-order, or left pending while later calls run. Every rank draws the same sequence from the seed.
+(every collective, coalesced ones, PREMUL_SUM, the list forms, gather, scatter, point-to-point
+rings) interleave on three groups at once, each with random options (algorithm, the nccl
+pass-through on CPU tensors among them, packing, small-tensor aggregation, the reducing rank, the
+hierarchy's groups), in random dtypes, ops, sizes and layouts (views at an offset, strided views,
+inputs and outputs), and half of them async: waited at once, later in a shuffled order, or left
+pending while later calls run. Every rank draws the same sequence from the seed.
 """
 import functools
 import random
@@ -107,28 +107,55 @@ def _reduce(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
 def _all_gather(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
     n = max(1, numel // world)
     inputs = [make_input(case, r, n, dtype, "SUM") for r in range(world)]
-    out = torch.empty(n * world, dtype=dtype, device=dev)
-    work = all_gather_single(out, inputs[rank].to(dev), group=group, async_op=async_op)
-    return [(work, "", out, torch.cat(inputs), 1)]
+    out, out_layout = _laid_out(rnd, torch.zeros(n * world, dtype=dtype, device=dev))
+    given, layout = _laid_out(rnd, inputs[rank].to(dev))
+    work = all_gather_single(out, given, group=group, async_op=async_op)
+    return [(work, f"{layout} into {out_layout}", out, torch.cat(inputs), 1)]
 
 
 def _reduce_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
     n = max(1, numel // world)
     inputs = [make_input(case, r, n * world, dtype, op) for r in range(world)]
-    out = torch.empty(n, dtype=dtype, device=dev)
-    work = reduce_scatter_single(out, inputs[rank].to(dev), op=OPS[op], group=group, async_op=async_op)
-    return [(work, f"op={op}", out, reduce_reference(inputs, op)[rank * n:(rank + 1) * n], world)]
+    out, out_layout = _laid_out(rnd, torch.zeros(n, dtype=dtype, device=dev))
+    given, layout = _laid_out(rnd, inputs[rank].to(dev))
+    work = reduce_scatter_single(out, given, op=OPS[op], group=group, async_op=async_op)
+    return [(work, f"op={op} {layout} into {out_layout}", out, reduce_reference(inputs, op)[rank * n:(rank + 1) * n],
+             world)]
 
 
 def _all_to_all(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
     sends = [[rnd.randint(0, 40) for _ in range(world)] for _ in range(world)]  # sends[i][j]: i to j
     inputs = [make_input(case, r, sum(sends[r]), dtype, "SUM") for r in range(world)]
     received = [sends[r][rank] for r in range(world)]
-    out = torch.empty(sum(received), dtype=dtype, device=dev)
-    work = dist.all_to_all_single(out, inputs[rank].to(dev), output_split_sizes=received,
+    out, out_layout = _laid_out(rnd, torch.zeros(sum(received), dtype=dtype, device=dev))
+    given, layout = _laid_out(rnd, inputs[rank].to(dev))
+    work = dist.all_to_all_single(out, given, output_split_sizes=received,
                                   input_split_sizes=sends[rank], group=group, async_op=async_op)
     want = torch.cat([inputs[r][sum(sends[r][:rank]):sum(sends[r][:rank + 1])] for r in range(world)])
-    return [(work, "", out, want, 1)]
+    return [(work, f"{layout} into {out_layout}", out, want, 1)]
+
+
+def _coalesced_gathers(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
+    """all_gather_into_tensor or reduce_scatter_tensor, several in one coalescing window, as FSDP2
+    batches its own."""
+    count = rnd.randint(1, 4)
+    parts = [max(1, rnd.choice([1, 5, 300, 20_000]) // world) for _ in range(count)]
+    if rnd.random() < 0.5:
+        inputs = [[make_input(case * 10 + j, r, n, dtype, "SUM") for r in range(world)] for j, n in enumerate(parts)]
+        outs = [torch.zeros(n * world, dtype=dtype, device=dev) for n in parts]
+        with dist._coalescing_manager(group=group, async_ops=True) as manager:
+            for out, per_rank in zip(outs, inputs):
+                all_gather_single(out, per_rank[rank].to(dev), group=group)
+        return [(manager if j == 0 else None, f"all_gather {j} of {count}", out, torch.cat(per_rank), 1)
+                for j, (out, per_rank) in enumerate(zip(outs, inputs))]
+    inputs = [[make_input(case * 10 + j, r, n * world, dtype, op) for r in range(world)] for j, n in enumerate(parts)]
+    outs = [torch.zeros(n, dtype=dtype, device=dev) for n in parts]
+    with dist._coalescing_manager(group=group, async_ops=True) as manager:
+        for out, per_rank in zip(outs, inputs):
+            reduce_scatter_single(out, per_rank[rank].to(dev), op=OPS[op], group=group)
+    return [(manager if j == 0 else None, f"reduce_scatter {j} of {count} op={op}", out,
+             reduce_reference(per_rank, op)[rank * n:(rank + 1) * n], world)
+            for j, (out, per_rank, n) in enumerate(zip(outs, inputs, parts))]
 
 
 def _premul_sum(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
@@ -161,16 +188,20 @@ def _gather_or_scatter(rnd, rank, world, dev, group, case, dtype, op, numel, asy
     global_root = dist.get_global_rank(group, root)
     if rnd.random() < 0.5:
         inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
-        outs = [torch.empty(numel, dtype=dtype, device=dev) for _ in range(world)] if rank == root else None
-        work = dist.gather(inputs[rank].to(dev), outs, dst=global_root, group=group, async_op=async_op)
+        given, layout = _laid_out(rnd, inputs[rank].to(dev))
+        # Drawn on every rank alike (the sequence stays the same), used on the root.
+        outs = [_laid_out(rnd, torch.zeros(numel, dtype=dtype, device=dev)) for _ in range(world)]
+        work = dist.gather(given, [o for o, _ in outs] if rank == root else None, dst=global_root, group=group,
+                           async_op=async_op)
         if rank != root:
             return [(work, f"gather to {root}, a sender", None, None, 1)]  # nothing to compare: only waited
-        return [(work if r == 0 else None, f"gather to {root} [{r}]", out, inputs[r], 1) for r, out in enumerate(outs)]
+        return [(work if r == 0 else None, f"gather {layout} to {root} [{r}] {out_layout}", out, inputs[r], 1)
+                for r, (out, out_layout) in enumerate(outs)]
     pieces = [make_input(case * 10 + j, root, numel, dtype, "SUM") for j in range(world)]
-    out = torch.empty(numel, dtype=dtype, device=dev)
-    work = dist.scatter(out, [p.to(dev) for p in pieces] if rank == root else None, src=global_root, group=group,
-                        async_op=async_op)
-    return [(work, f"scatter from {root}", out, pieces[rank], 1)]
+    laid = [_laid_out(rnd, p.to(dev))[0] for p in pieces]  # drawn on every rank alike
+    out, out_layout = _laid_out(rnd, torch.zeros(numel, dtype=dtype, device=dev))
+    work = dist.scatter(out, laid if rank == root else None, src=global_root, group=group, async_op=async_op)
+    return [(work, f"scatter from {root} into {out_layout}", out, pieces[rank], 1)]
 
 
 def _ring(rnd, rank, world, dev, group, case, dtype, op, numel, async_op, to_oneself=True):
@@ -203,7 +234,7 @@ class _All:
 
 
 KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all,
-         _premul_sum, _list_forms, _gather_or_scatter, _ring]
+         _coalesced_gathers, _premul_sum, _list_forms, _gather_or_scatter, _ring]
 # A group across nodes refuses PREMUL_SUM with a ValueError (test_nodes.py).
 KINDS_ACROSS_NODES = [kind for kind in KINDS if kind is not _premul_sum]
 
