@@ -218,6 +218,44 @@ def strided_engine_ops(rank, world, group=None, premul=False):
     return [e for e in errors if e]
 
 
+def empty_tensors(rank, world, group=None):
+    """Every operation on tensors of no elements (an FSDP shard, a DDP bucket of unused parameters
+    can be empty), then an all_reduce that must still be right: a failing stage would have broken
+    the group."""
+    errors = []
+
+    def empty():
+        return torch.zeros(0, 4)
+
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(empty(), group=group),
+        "all_reduce async": lambda: dist.all_reduce(empty(), group=group, async_op=True).wait(),
+        "all_reduce_coalesced with a non-empty one": lambda: dist.all_reduce_coalesced(
+            [empty(), torch.ones(3), empty()], group=group),
+        "broadcast": lambda: dist.broadcast(empty(), src=world - 1, group=group),
+        "reduce": lambda: dist.reduce(empty(), dst=world - 1, group=group),
+        "all_gather": lambda: dist.all_gather([empty() for _ in range(world)], empty(), group=group),
+        "all_gather_single": lambda: all_gather_single(torch.zeros(0), torch.zeros(0), group=group),
+        "reduce_scatter_single": lambda: reduce_scatter_single(torch.zeros(0), torch.zeros(0), group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter(empty(), [empty() for _ in range(world)], group=group),
+        "gather": lambda: dist.gather(empty(), [empty() for _ in range(world)] if rank == 0 else None, group=group),
+        "scatter": lambda: dist.scatter(empty(), [empty() for _ in range(world)] if rank == 0 else None, group=group),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.zeros(0), torch.zeros(0), group=group),
+        "barrier": lambda: dist.barrier(group=group),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 (each call's error is the finding, the next call goes on)
+            errors.append(f"{name} of empty tensors: {type(e).__name__}: {e}")
+    t = make_input(950, rank, 1000, torch.float32, "SUM")
+    dist.all_reduce(t, group=group)
+    errors.append(mismatch("all_reduce after them", t,
+                           reduce_reference([make_input(950, r, 1000, torch.float32, "SUM") for r in range(world)], "SUM"),
+                           world))
+    return [e for e in errors if e]
+
+
 def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):
     """An async all-reduce across nodes, then one on a second group (across the same nodes), each
     round. Rank 0 makes the second 50 ms later, when its worker has got to the first call's stages;

@@ -249,6 +249,14 @@ def test_views_that_are_not_contiguous_across_named_nodes(name, env):
     assert run_ranks(node_cases.strided_engine_ops, len(ids), env_per_rank=_node_env(ids, env)) == [[]] * len(ids)
 
 
+@pytest.mark.parametrize("name, env", [("2x2", {}), ("3+2", STREAMS_ENV), ("3+1", {})])
+def test_empty_tensors_across_named_nodes(name, env):
+    """Tensors of no elements in every operation; the group goes on after them. A reduce_scatter's
+    scatter inside the node failed on them (reshaping no elements into rows of 0) and broke the group."""
+    ids = LAYOUTS[name]
+    assert run_ranks(node_cases.empty_tensors, len(ids), env_per_rank=_node_env(ids, env)) == [[]] * len(ids)
+
+
 def _training_by_value(rank, world):
     """DDP's and FSDP2's parameters after the same steps over hca and over gloo, as arrays (tensors
     travel to the test as file descriptors, which end with the rank)."""

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
-from node_cases import forwarded_ops, strided_engine_ops
+from node_cases import empty_tensors, forwarded_ops, strided_engine_ops
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
                        reduce_scatter_single, supported)
 
@@ -102,6 +102,11 @@ def test_views_that_are_not_contiguous_reach_the_engine_as_copies(world):
         assert wrong == []
         assert refused.startswith("hca recv: a non-contiguous CPU tensor (sizes [4], strides [2]) to receive into"), \
             refused
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_empty_tensors_reach_the_engine(world):
+    assert run_ranks(empty_tensors, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
 
 
 # Dtypes gloo neither moves nor reduces ("Invalid scalar type"), as torch names them.

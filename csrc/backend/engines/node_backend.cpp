@@ -302,7 +302,7 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
   scatter.rootRank = local_leader(0);
   std::vector<at::Tensor> mine{output};
   std::vector<std::vector<at::Tensor>> per_rank;
-  if (leads(0)) per_rank.push_back(blocks.view({-1, k}).unbind(0));
+  if (leads(0)) per_rank.push_back(blocks.unbind(0));  // a row per rank of this node (none wider: k may be 0)
   local_->scatter(mine, per_rank, scatter)->wait();
 }
 
