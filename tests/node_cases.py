@@ -256,6 +256,74 @@ def empty_tensors(rank, world, group=None):
     return [e for e in errors if e]
 
 
+# The calls of mismatched_calls that the group across nodes runs in stages (the rest go whole to
+# the engine over every rank).
+STAGED_ACROSS_NODES = ("all_reduce", "all_reduce of another dtype", "broadcast", "reduce", "all_gather",
+                       "all_gather_single", "reduce_scatter_single", "all_reduce against a broadcast",
+                       "barrier against an all_reduce")
+
+
+def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
+    """The ranks in `odd_ranks` make each call with other sizes than the rest (or another call):
+    every rank raises "mismatched calls" within seconds, where gloo, which carries these calls,
+    aborts the process or writes a broadcast short. Then an all_reduce must still be right: the
+    group goes on. `staged`: calls after that whose mismatch ends the group (across nodes, where
+    the nodes' leaders find it mid-call: every rank raises, and none goes on)."""
+    odd = rank in odd_ranks
+    n = 6 if odd else 4
+    splits = [2 if odd else 1] * world
+    received = [2 if r in odd_ranks else 1 for r in range(world)]
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(n), group=group),
+        "all_reduce of another dtype": lambda: dist.all_reduce(
+            torch.ones(4, dtype=torch.float64 if odd else torch.float32), group=group),
+        "broadcast": lambda: dist.broadcast(torch.ones(n), src=0, group=group),
+        "reduce": lambda: dist.reduce(torch.ones(n), dst=0, group=group),
+        "all_gather": lambda: dist.all_gather([torch.empty(n) for _ in range(world)], torch.ones(n), group=group),
+        "all_gather_single": lambda: all_gather_single(torch.empty(world * n), torch.ones(n), group=group),
+        "reduce_scatter_single": lambda: reduce_scatter_single(torch.empty(n), torch.ones(world * n), group=group),
+        "gather": lambda: dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == 0 else None,
+                                      dst=0, group=group),
+        "scatter": lambda: dist.scatter(torch.empty(n), [torch.ones(n) for _ in range(world)] if rank == 0 else None,
+                                        src=0, group=group),
+        "all_to_all_single with splits that do not pair up": lambda: dist.all_to_all_single(
+            torch.empty(world), torch.ones(sum(splits)), [1] * world, splits, group=group),
+        "all_to_all_single with received splits that do not pair up": lambda: dist.all_to_all_single(
+            torch.empty(world if odd else sum(received)), torch.ones(world), [1] * world if odd else received,
+            [1] * world,
+            group=group),
+        "all_reduce against a broadcast": lambda: (dist.broadcast(torch.ones(4), src=0, group=group) if odd
+                                                   else dist.all_reduce(torch.ones(4), group=group)),
+        "barrier against an all_reduce": lambda: (dist.barrier(group=group) if odd
+                                                  else dist.all_reduce(torch.ones(4), group=group)),
+    }
+    errors = []
+
+    def expect_mismatch(name):
+        start = time.monotonic()
+        try:
+            calls[name]()
+            errors.append(f"{name}: no error")
+        except dist.DistBackendError as e:
+            if "mismatched calls" not in str(e):
+                errors.append(f"{name}: {e}")
+        except Exception as e:  # noqa: BLE001 (each call's error is the finding, the next call goes on)
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+        if time.monotonic() - start > 10:
+            errors.append(f"{name}: took {time.monotonic() - start:.1f} s")
+
+    for name in [c for c in calls if c not in staged]:
+        expect_mismatch(name)
+    t = make_input(950, rank, 1000, torch.float32, "SUM")
+    dist.all_reduce(t, group=group)
+    errors.append(mismatch("all_reduce after them", t,
+                           reduce_reference([make_input(950, r, 1000, torch.float32, "SUM") for r in range(world)], "SUM"),
+                           world))
+    for name in staged:
+        expect_mismatch(name)
+    return [e for e in errors if e]
+
+
 def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):
     """An async all-reduce across nodes, then one on a second group (across the same nodes), each
     round. Rank 0 makes the second 50 ms later, when its worker has got to the first call's stages;

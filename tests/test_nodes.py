@@ -257,6 +257,18 @@ def test_empty_tensors_across_named_nodes(name, env):
     assert run_ranks(node_cases.empty_tensors, len(ids), env_per_rank=_node_env(ids, env)) == [[]] * len(ids)
 
 
+@pytest.mark.parametrize("name, env", [("2x2", {}), ("3+2", STREAMS_ENV)])
+def test_nodes_that_disagree_on_a_call_all_raise(name, env):
+    """The last node's ranks call other sizes (or another call) than the others': their own node's
+    group cannot see it, and gloo among the leaders or over every rank would abort the process.
+    Every rank raises "mismatched calls" within seconds; after one that the leaders find mid-call
+    the group stays broken, as after any failure between nodes, and says so at once."""
+    ids = LAYOUTS[name]
+    last_node = [r for r, i in enumerate(ids) if i == ids[-1]]
+    assert run_ranks(node_cases.mismatched_calls, len(ids), last_node, node_cases.STAGED_ACROSS_NODES,
+                     env_per_rank=_node_env(ids, env), pg_timeout_s=30) == [[]] * len(ids)
+
+
 def _training_by_value(rank, world):
     """DDP's and FSDP2's parameters after the same steps over hca and over gloo, as arrays (tensors
     travel to the test as file descriptors, which end with the rank)."""

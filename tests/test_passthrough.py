@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
-from node_cases import empty_tensors, forwarded_ops, strided_engine_ops
+from node_cases import empty_tensors, forwarded_ops, mismatched_calls, strided_engine_ops
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
                        reduce_scatter_single, supported)
 
@@ -107,6 +107,15 @@ def test_views_that_are_not_contiguous_reach_the_engine_as_copies(world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_empty_tensors_reach_the_engine(world):
     assert run_ranks(empty_tensors, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_disagree_on_a_call_all_raise_before_gloo_gets_it(world):
+    """Other sizes, dtypes or calls on the last rank: gloo would abort the process (all_reduce,
+    reduce, all-gathers, gather), write a broadcast short, or wait until its timeout and close its
+    connections. Every rank raises "mismatched calls" within seconds, and the group goes on."""
+    assert run_ranks(mismatched_calls, world, [world - 1], pg_options=torch_hca.Options("nccl"),
+                     pg_timeout_s=30) == [[]] * world
 
 
 # Dtypes gloo neither moves nor reduces ("Invalid scalar type"), as torch names them.

@@ -126,17 +126,32 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
 }
 
 std::string CallArgs::text(size_t first, size_t count) const {
+  return tensors_text({original_.begin() + first, original_.begin() + first + count});
+}
+
+std::string tensors_text(const std::vector<at::Tensor>& tensors) {
   std::string text;
-  for (size_t i = first; i < first + count; ++i) {
-    const auto type = original_[i].scalar_type();
-    if (i == first || type != original_[i - 1].scalar_type()) {
-      text += std::string(i > first ? "]," : "") + c10::toString(type) + "[";
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto type = tensors[i].scalar_type();
+    if (i == 0 || type != tensors[i - 1].scalar_type()) {
+      text += std::string(i > 0 ? "]," : "") + c10::toString(type) + "[";
     } else {
       text += "+";
     }
-    text += std::to_string(original_[i].numel());
+    text += std::to_string(tensors[i].numel());
   }
-  return text + "]";
+  return tensors.empty() ? "[]" : text + "]";
+}
+
+std::string reduction_text(const c10d::ReduceOp& op) {
+  const auto plan = plan_op(op);
+  return plan ? op_name(*plan) : op.op_ == c10d::ReduceOp::PREMUL_SUM ? "PREMUL_SUM" : "UNUSED";
+}
+
+std::string fitted_text(const std::string& text, size_t limit) {
+  if (text.size() <= limit) return text;
+  const std::string hash = "... #" + std::to_string(std::hash<std::string>{}(text));
+  return text.substr(0, limit - hash.size()) + hash;
 }
 
 void CallArgs::append_key(std::string& key, size_t first, size_t count) const {

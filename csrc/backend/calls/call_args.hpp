@@ -88,6 +88,14 @@ class CallArgs {
   PremulFactor factor_;
 };
 
+// "Float[3+4],Long[5]": the tensors' dtypes and element counts, in order.
+std::string tensors_text(const std::vector<at::Tensor>& tensors);
+// A reduction's name ("SUM", "PREMUL_SUM").
+std::string reduction_text(const c10d::ReduceOp& op);
+// `text`, or where it is longer than `limit`, its start and a hash of the whole (which keeps
+// texts that differ apart): for fixed-size slots that compare calls.
+std::string fitted_text(const std::string& text, size_t limit);
+
 // The 1-byte dtypes hca moves, as uint8, but does not reduce: float8 and float4.
 bool moved_as_bytes(at::ScalarType type);
 // The plan's element type for a dtype hca reduces, or a TypeError naming it.

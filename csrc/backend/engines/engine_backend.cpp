@@ -91,12 +91,31 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::then(c10::intrusive_ptr<c10d::Work
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> EngineBackend::written_back(c10::intrusive_ptr<c10d::Work> engine_work,
-                                                           c10d::OpType type, std::vector<at::Tensor> results,
-                                                           EngineTensors written, bool async_op) {
-  std::function<void()> step;
-  if (written.copies()) step = [written = std::move(written)] { written.write_back(); };
-  return then(std::move(engine_work), type, std::move(results), std::move(step), async_op);
+EngineBackend::EngineCall EngineBackend::written_back(c10::intrusive_ptr<c10d::Work> work, EngineTensors written) {
+  if (!written.copies()) return {std::move(work)};
+  return {std::move(work), [written = std::move(written)] { written.write_back(); }};
+}
+
+c10::intrusive_ptr<c10d::Work> EngineBackend::agreed_on_queue(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                              CallTerms terms, const char* op, bool async_op,
+                                                              std::function<void()> run) {
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs),
+                                           [this, terms = std::move(terms), op, run = std::move(run)] {
+                                             agree_on_call(cpu_engine(op), terms, op, [](int r) {
+                                               return "rank " + std::to_string(r);
+                                             });
+                                             run();
+                                           });
+  queue().submit(work, !async_op);
+  return work;
+}
+
+void EngineBackend::check_engine_dtypes(const CommsCall& call, const char* op) {
+  for (const auto* tensors : {&call.inputs, &call.outputs}) {
+    for (const auto& t : *tensors) {
+      if (t.defined() && t.is_cpu()) engine_bytes(t, op);
+    }
+  }
 }
 
 void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
@@ -199,101 +218,129 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
-  return issue({"gather", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto outs = engine_bytes(written.outputs(outputs), "gather");
-                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "gather");
-                  return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), c10d::OpType::GATHER,
-                                      flattened(outputs), std::move(written), opts.asyncOp);
-                });
+  CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) + ")"};
+  return issue("gather", {"gather", inputs, flattened(outputs)}, c10d::OpType::GATHER, std::move(terms), opts.asyncOp,
+               [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "gather");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "gather");
+                 return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
-  return issue({"scatter", flattened(inputs), outputs}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto outs = engine_bytes(written.outputs(outputs), "scatter");
-                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "scatter");
-                  return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), c10d::OpType::SCATTER,
-                                      outputs, std::move(written), opts.asyncOp);
-                });
+  CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) + ")"};
+  return issue("scatter", {"scatter", flattened(inputs), outputs}, c10d::OpType::SCATTER, std::move(terms),
+               opts.asyncOp, [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "scatter");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "scatter");
+                 return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), std::move(written));
+               });
 }
+
+namespace {
+
+// The elements of each of `size` blocks of `t` along its first dimension: as `splits` gives
+// them (rows), or equal blocks.
+std::vector<int64_t> block_elements(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
+                                    const char* what) {
+  TORCH_CHECK_VALUE(splits.empty() || splits.size() == static_cast<size_t>(size), "hca alltoall_base: ", what,
+                    " has ", splits.size(), " entries for ", size, " ranks");
+  const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
+  const int64_t per_row = rows > 0 ? t.numel() / rows : 0;
+  std::vector<int64_t> elements;
+  for (int r = 0; r < size; ++r) elements.push_back((splits.empty() ? rows / size : splits[r]) * per_row);
+  return elements;
+}
+
+std::vector<int64_t> elements_of(const std::vector<at::Tensor>& tensors, int size, const char* what) {
+  TORCH_CHECK_VALUE(tensors.size() == static_cast<size_t>(size), "hca alltoall: ", tensors.size(), " ", what,
+                    " for ", size, " ranks");
+  std::vector<int64_t> elements;
+  for (const auto& t : tensors) elements.push_back(t.numel());
+  return elements;
+}
+
+}  // namespace
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                             std::vector<int64_t>& output_splits,
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
-  return issue({"all_to_all", {input}, {output}, input_splits, output_splits}, opts.asyncOp, [&] {
-    EngineTensors written;
-    auto out = engine_bytes(written.output(output), "alltoall_base");
-    auto in = engine_bytes(EngineTensors::input(input), "alltoall_base");
-    return written_back(engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
-                        c10d::OpType::ALLTOALL_BASE, {output}, std::move(written), opts.asyncOp);
-  });
+  CallTerms terms{"all_to_all_single(" + std::string(c10::toString(input.scalar_type())) + ")",
+                  block_elements(input, input_splits, getSize(), "input_split_sizes"),
+                  block_elements(output, output_splits, getSize(), "output_split_sizes")};
+  return issue("alltoall_base", {"all_to_all", {input}, {output}, input_splits, output_splits},
+               c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp, [this, output, input, output_splits, input_splits, opts]() mutable {
+                 EngineTensors written;
+                 auto out = engine_bytes(written.output(output), "alltoall_base");
+                 auto in = engine_bytes(EngineTensors::input(input), "alltoall_base");
+                 return written_back(
+                     engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
+                     std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "alltoall");
-  return issue({"all_to_all", inputs, outputs}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto outs = engine_bytes(written.outputs(outputs), "alltoall");
-                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "alltoall");
-                  return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), c10d::OpType::ALLTOALL,
-                                      outputs, std::move(written), opts.asyncOp);
-                });
+  CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")",
+                  elements_of(inputs, getSize(), "inputs"), elements_of(outputs, getSize(), "outputs")};
+  return issue("alltoall", {"all_to_all", inputs, outputs}, c10d::OpType::ALLTOALL, std::move(terms), opts.asyncOp,
+               [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "alltoall");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "alltoall");
+                 return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
-  return issue({"allgather_coalesced", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto outs = engine_bytes(written.outputs(outputs), "allgather_coalesced");
-                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced");
-                  return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
-                                      c10d::OpType::ALLGATHER_COALESCED, flattened(outputs), std::move(written),
-                                      opts.asyncOp);
-                });
+  CallTerms terms{"allgather_coalesced(" + tensors_text(inputs) + " -> " + tensors_text(flattened(outputs)) + ")"};
+  return issue("allgather_coalesced", {"allgather_coalesced", inputs, flattened(outputs)},
+               c10d::OpType::ALLGATHER_COALESCED, std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "allgather_coalesced");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced");
+                 return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
+                                     std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "send");
-  return issue(CommsCall::message("send", tensors, dst), true,
-                [&] {
-                  auto bytes = engine_bytes(EngineTensors::inputs(tensors), "send");
-                  const auto to = message_route(tensors[0], dst, "send");
-                  return to.backend.send(bytes, to.peer, tag);
-                });
+  return issue_message(CommsCall::message("send", tensors, dst), [&] {
+    auto bytes = engine_bytes(EngineTensors::inputs(tensors), "send");
+    const auto to = message_route(tensors[0], dst, "send");
+    return to.backend.send(bytes, to.peer, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
   if (src != getRank() || !own_messages()) check_received_into_contiguous(tensors);
-  return issue(CommsCall::message("recv", tensors, src), true,
-                [&] {
-                  auto bytes = engine_bytes(tensors, "recv");
-                  const auto from = message_route(tensors[0], src, "recv");
-                  return from.backend.recv(bytes, from.peer, tag);
-                });
+  return issue_message(CommsCall::message("recv", tensors, src), [&] {
+    auto bytes = engine_bytes(tensors, "recv");
+    const auto from = message_route(tensors[0], src, "recv");
+    return from.backend.recv(bytes, from.peer, tag);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
   check_received_into_contiguous(tensors);
-  return issue(CommsCall::message("recv", tensors, -1), true,
-                [&] {
-                  auto bytes = engine_bytes(tensors, "recv");
-                  return engine(tensors[0], "recv").recvAnysource(bytes, tag);
-                });
+  return issue_message(CommsCall::message("recv", tensors, -1), [&] {
+    auto bytes = engine_bytes(tensors, "recv");
+    return engine(tensors[0], "recv").recvAnysource(bytes, tag);
+  });
 }
 
 void EngineBackend::post_step(c10::intrusive_ptr<c10d::Work> work) {

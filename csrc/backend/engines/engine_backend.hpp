@@ -12,6 +12,7 @@
 #include "../calls/work_hca.hpp"
 #include "../c10d_overrides.hpp"
 #include "../group/group_life.hpp"
+#include "call_agreement.hpp"
 
 namespace hca {
 
@@ -98,17 +99,60 @@ class EngineBackend : public c10d::Backend {
 
  protected:
   CallRecorder calls_;  // every public call goes through it (issue)
-  // A public call: counted by the recorder, issued once the post-step of an
-  // earlier call (post_step) has run, in its turn on its device (engine_turn).
-  // The engines start a call at once, and it must see what that post-step wrote.
+  // A call as its engine gets it: the engine's Work, and `step`, hca's host code on the
+  // engine's results after it (a write-back, arithmetic), if any.
+  struct EngineCall {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::function<void()> step = nullptr;
+  };
+  // `work`, then `written`'s write-back where it copied.
+  static EngineCall written_back(c10::intrusive_ptr<c10d::Work> work, EngineTensors written);
+  // A public collective, counted by the recorder: `issue_call` hands it to the engine of its
+  // tensors' device. CPU tensors' (gloo's) go through the group's queue, in call order (the
+  // caller does not wait for its peers): there the ranks agree on `terms` first, then the
+  // engine gets the call, and its step runs once the engine is done. CUDA tensors' reach
+  // the engine at once, in their turn on the device (engine_turn), once the post-step of an
+  // earlier call (post_step) has run: the engine starts a call at once, and it must see
+  // what that post-step wrote; the step follows on the queue (then). `issue_call` is called
+  // later, on another thread, for CPU tensors: it holds what it uses. What it would raise
+  // for bad input is raised before, naming `op` (check_engine_dtypes).
   template <typename Issue>
-  c10::intrusive_ptr<c10d::Work> issue(const CommsCall& call, bool async_op, Issue&& issue_call) {
+  c10::intrusive_ptr<c10d::Work> issue(const char* op, const CommsCall& call, c10d::OpType type, CallTerms terms,
+                                       bool async_op, Issue issue_call) {
+    const auto& tensors = call.inputs.empty() ? call.outputs : call.inputs;
+    check_engine_dtypes(call, op);
     settle_post_step();
-    return record(call, async_op, [&] {
-      const auto turn = engine_turn(call.inputs.empty() ? call.outputs : call.inputs);
+    return record(call, async_op, [&]() -> c10::intrusive_ptr<c10d::Work> {
+      const auto turn = engine_turn(tensors);
+      if (!tensors.empty() && tensors[0].defined() && !tensors[0].is_cpu()) {
+        EngineCall started = issue_call();
+        return then(std::move(started.work), type, call.outputs, std::move(started.step), async_op);
+      }
+      return agreed_on_queue(type, call.outputs, std::move(terms), op, async_op,
+                             [issue_call = std::move(issue_call)]() mutable {
+        EngineCall started = issue_call();
+        started.work->wait();
+        if (started.step) started.step();
+      });
+    });
+  }
+  // A message, counted by the recorder: `issue_call` hands it to its engine at once (gloo's
+  // messages carry their own tags: they need no turn among the collectives).
+  template <typename Issue>
+  c10::intrusive_ptr<c10d::Work> issue_message(const CommsCall& call, Issue&& issue_call) {
+    settle_post_step();
+    return record(call, true, [&] {
+      const auto turn = engine_turn(call.inputs);
       return issue_call();
     });
   }
+  // A Work of the group's queue (a blocking call's runs on this thread when nothing is queued):
+  // the ranks agree on `terms` through the CPU engine, then `run` hands the call to the engine
+  // and waits for it.
+  c10::intrusive_ptr<c10d::Work> agreed_on_queue(c10d::OpType type, std::vector<at::Tensor> outputs, CallTerms terms,
+                                                 const char* op, bool async_op, std::function<void()> run);
+  // The TypeError for a CPU tensor of a dtype gloo does not move, raised on the caller's thread.
+  static void check_engine_dtypes(const CommsCall& call, const char* op);
   // Before an engine gets a call on `tensors` (on this thread, at once): on a CUDA device,
   // the call's turn there, once every earlier call of the process's groups has issued its
   // work (IssueTicket, held until the engine has the call; ProcessGroupHCA's workers issue
@@ -140,9 +184,6 @@ class EngineBackend : public c10d::Backend {
   // one step at a time, and a receive's would hold up the calls its sender may wait for.
   c10::intrusive_ptr<c10d::Work> then(c10::intrusive_ptr<c10d::Work> engine_work, c10d::OpType type,
                                       std::vector<at::Tensor> results, std::function<void()> step, bool async_op);
-  // `engine_work`, then `written`'s write-back where it copied.
-  c10::intrusive_ptr<c10d::Work> written_back(c10::intrusive_ptr<c10d::Work> engine_work, c10d::OpType type,
-                                              std::vector<at::Tensor> results, EngineTensors written, bool async_op);
   // ValueError for a non-contiguous CPU tensor a message is received into (gloo receives into
   // contiguous memory only, and a step on the queue could hold up what its sender waits for).
   static void check_received_into_contiguous(const std::vector<at::Tensor>& tensors);

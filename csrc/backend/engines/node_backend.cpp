@@ -85,7 +85,7 @@ void NodeBackend::check_device(const at::Device& device, const char* op) const {
 }
 
 NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<at::Tensor> tensors,
-                                                     const Issue& issue) const {
+                                                     const std::string& call_text, const Issue& issue) const {
   const Engines& engines = leaders_.at(position);
   tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   AmongLeaders call;
@@ -102,6 +102,10 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     for (auto& t : tensors) t = t.to(at::kCPU);
     call.staged = tensors;
   }
+  agree_on_call(*engines.cpu, {call_text + " of " + tensors_text(tensors)}, "the exchange among the nodes' leaders",
+                [position](int m) {
+                  return "node " + std::to_string(m) + "'s leader at position " + std::to_string(position);
+                });
   call.work = issue(*engines.cpu, tensors);
   return call;
 }
@@ -116,6 +120,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
                                                    bool async_op) {
   std::function<void()> guarded = [this, op = args.name(), body = std::move(body)] {
     try {
+      local_->check_usable(op);
       body();
     } catch (const std::exception& e) {
       const std::string where = "node " + std::to_string(node()) + " of " + std::to_string(nodes_.count()) +
@@ -162,7 +167,7 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     std::vector<at::Tensor> one{flats[i]};
     local_->reduce(one, reduce_opts)->wait();
     if (!leads(positions[i])) continue;
-    exchanges[i] = among_leaders(positions[i], {flats[i]}, [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
+    exchanges[i] = among_leaders(positions[i], {flats[i]}, "allreduce(" + reduction_text(op) + ")", [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
       return engine.allreduce(pack, across);
     });
   }
@@ -183,10 +188,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
   if (is_sparse_call(tensors)) {
-    return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
-      const auto turn = engine_turn(tensors);
-      return engine(tensors[0], "allreduce").allreduce(tensors, opts);
-    });
+    CallTerms terms{"allreduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) + ")"};
+    return issue("allreduce", {"allreduce", tensors, tensors}, c10d::OpType::ALLREDUCE, std::move(terms), opts.asyncOp,
+                 [this, tensors, opts]() mutable { return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)}; });
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);
@@ -219,7 +223,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
       c10d::BroadcastOptions across;
       across.rootRank = nodes_.node_of[src];
       across.timeout = timeout;
-      among_leaders(position, args.dense(), [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      const std::string call = "broadcast(src node " + std::to_string(across.rootRank) + ")";
+      among_leaders(position, args.dense(), call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.broadcast(tensors, across);
       }).finish();
     }
@@ -256,7 +261,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       across.reduceOp = nccl::engine_op(op);
       across.rootRank = nodes_.node_of[dst];
       across.timeout = timeout;
-      among_leaders(position, partial, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      const std::string call = "reduce(" + reduction_text(op) + ", dst node " + std::to_string(across.rootRank) + ")";
+      among_leaders(position, partial, call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
       }).finish();
     }
@@ -290,7 +296,8 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
       const auto& members = nodes_.members[m];
       at::Tensor part = rows.index_select(0, rows_on(std::vector<int64_t>(members.begin(), members.end()), rows));
       across.rootRank = m;
-      reductions.push_back(among_leaders(0, {part}, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      const std::string call = "reduce_scatter's reduce(" + reduction_text(op) + ", dst node " + std::to_string(m) + ")";
+      reductions.push_back(among_leaders(0, {part}, call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
       }));
       if (m == node()) blocks = part;
@@ -319,7 +326,7 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
     at::Tensor every = at::empty({nodes_.count() * widest * k}, input.options());
     c10d::AllgatherOptions across;
     across.timeout = timeout;
-    among_leaders(0, {every, padded}, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+    among_leaders(0, {every, padded}, "all_gather_into_tensor", [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
       return engine._allgather_base(tensors[0], tensors[1], across);
     }).finish();
     std::vector<int64_t> order;  // where rank r's block sits in `every`
@@ -418,7 +425,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
     if (leads(0)) {
       c10d::BarrierOptions across;
       across.timeout = timeout;
-      among_leaders(0, {}, [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
+      among_leaders(0, {}, "barrier", [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
           .finish();
     }
     local_->barrier(inside)->wait();

@@ -58,6 +58,9 @@ class NodeBackend : public EngineBackend {
   bool leads(int position) const { return nodes_.leader(node(), position) == getRank(); }
   // Issues `issue` among the leaders of `position` on `tensors` (what it reads
   // and writes); finish() waits for it and copies host-staged results back.
+  // Where gloo carries it, the leaders first agree on `call` (the exchange, as
+  // "allreduce(SUM)") and the tensors: the nodes' own groups check that their
+  // ranks agree, but not that the nodes do.
   class AmongLeaders {
    public:
     void finish();
@@ -65,7 +68,8 @@ class NodeBackend : public EngineBackend {
     std::vector<at::Tensor> given, staged;
   };
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
-  AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const Issue& issue) const;
+  AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const std::string& call,
+                             const Issue& issue) const;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 

@@ -29,9 +29,12 @@ PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::millisec
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "allreduce");
+  CallTerms terms{"allreduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) + ")"};
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided) {
-    return issue({"allreduce", tensors, tensors}, opts.asyncOp,  // sparse: the engine's own form
-                 [&] { return engine(tensors[0], "allreduce").allreduce(tensors, opts); });
+    return issue("allreduce", {"allreduce", tensors, tensors}, c10d::OpType::ALLREDUCE, std::move(terms),
+                 opts.asyncOp, [this, tensors, opts]() mutable {  // sparse: the engine's own form
+                   return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)};
+                 });
   }
   CallArgs args("allreduce", tensors);
   const auto scale = post_scale(opts.reduceOp, tensors, "allreduce");
@@ -39,30 +42,40 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
   if (opts.reduceOp.op_ != c10d::ReduceOp::PREMUL_SUM) args.reduce_op(opts.reduceOp);
   check_engine_reduction(tensors, opts.reduceOp, "allreduce");
   const auto timeout = opts.timeout == c10d::kUnsetTimeout ? timeout_.load() : opts.timeout;
+  const c10d::ReduceOp engine_op = scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp;
+  if (args.device().is_cpu()) {
+    // gloo's turn on the queue, as issue gives it: the dense copies are taken there, after the calls before.
+    return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
+      return agreed_on_queue(c10d::OpType::ALLREDUCE, tensors, std::move(terms), "allreduce", opts.asyncOp,
+                             [this, tensors, scale, engine_op, timeout] {
+                               CallArgs args("allreduce", tensors);
+                               nccl::PackedAllreduce packed(cpu_engine("allreduce"), args.dense(),
+                                                            make_packs(args.descs(), packing_), engine_op, timeout);
+                               packed.finish();
+                               if (scale) {
+                                 for (const auto& t : args.dense()) scale->multiply(t, t);
+                               }
+                               args.write_back();
+                             });
+    });
+  }
   settle_post_step();  // the packs reach the engine here, before record (issue's steps, in this order)
   std::shared_ptr<nccl::PackedAllreduce> packed;
   {
     const auto turn = engine_turn(tensors);
     packed = std::make_shared<nccl::PackedAllreduce>(engine(tensors[0], "allreduce"), args.dense(),
-                                                     make_packs(args.descs(), packing_),
-                                                     scale ? c10d::ReduceOp(c10d::ReduceOp::SUM) : opts.reduceOp,
-                                                     timeout);
+                                                     make_packs(args.descs(), packing_), engine_op, timeout);
   }
-  // Whether the next call waits for hca's writes after the engine's sum. On CUDA, every such
-  // write runs on the group's stream, which the engine's next call does not wait for (NCCL
-  // orders its calls on its own stream): a later call on these tensors (in place, the same
-  // tensor again, as NCCL allows before wait()) must wait for them. On CPU, only the arithmetic.
-  const bool after_engine = args.device().is_cpu() ? scale || opts.reduceOp == c10d::ReduceOp::AVG
-                                                   : packed->writes_tensors() || args.copies();
-  std::function<void()> body = [packed, args, scale] {
+  // hca's writes after the engine's sum run on the group's stream, which the engine's next
+  // call does not wait for (NCCL orders its calls on its own stream): a later call on these
+  // tensors (in place, the same tensor again, as NCCL allows before wait()) must wait for them.
+  const bool after_engine = packed->writes_tensors() || args.copies();
+  std::function<void()> body = [packed, args] {
     packed->finish();
-    if (scale) {
-      for (const auto& t : args.dense()) scale->multiply(t, t);
-    }
     args.write_back();
   };
-  // CUDA: the engine's results are divided and copied back on this group's
-  // stream, which the caller's stream then waits for (it would race otherwise).
+  // The engine's results are divided and copied back on this group's stream, which the
+  // caller's stream then waits for (it would race otherwise).
   std::shared_ptr<StreamCall> call;
   if (CallStreams* streams = call_streams(args.device())) {
     call = streams->call(args.device());
@@ -85,71 +98,78 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce_coalesced(std::vect
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  return issue({"broadcast", tensors, tensors}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto bytes = engine_bytes(written.outputs(tensors), "broadcast");
-                  return written_back(engine(tensors[0], "broadcast").broadcast(bytes, opts), c10d::OpType::BROADCAST,
-                                      tensors, std::move(written), opts.asyncOp);
-                });
+  CallTerms terms{"broadcast(" + tensors_text(tensors) + ", src=" + std::to_string(opts.rootRank) + ")"};
+  return issue("broadcast", {"broadcast", tensors, tensors}, c10d::OpType::BROADCAST, std::move(terms), opts.asyncOp,
+               [this, tensors, opts] {
+                 EngineTensors written;
+                 auto bytes = engine_bytes(written.outputs(tensors), "broadcast");
+                 return written_back(engine(tensors[0], "broadcast").broadcast(bytes, opts), std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
   check_engine_reduction(tensors, opts.reduceOp, "reduce");
-  return issue({"reduce", tensors, tensors}, opts.asyncOp, [&] {
-    // gloo works in the tensors of every rank and leaves partial results in those of ranks other
-    // than the root; NCCL, and hca's own algorithms, leave them as given: so gloo gets copies
-    // there (taken here, after an earlier call's post-step has written the tensors).
-    EngineTensors written;
-    std::vector<at::Tensor> given;
-    if (tensors[0].is_cpu() && getRank() != opts.rootRank) {
-      for (const auto& t : tensors) given.push_back(t.clone(at::MemoryFormat::Contiguous));
-    } else {
-      given = written.outputs(tensors);
-    }
-    return written_back(engine(tensors[0], "reduce").reduce(given, opts), c10d::OpType::REDUCE, tensors,
-                        std::move(written), opts.asyncOp);
-  });
+  CallTerms terms{"reduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) +
+                  ", dst=" + std::to_string(opts.rootRank) + ")"};
+  return issue("reduce", {"reduce", tensors, tensors}, c10d::OpType::REDUCE, std::move(terms), opts.asyncOp,
+               [this, tensors, opts] {
+                 // gloo works in the tensors of every rank and leaves partial results in those of ranks
+                 // other than the root; NCCL, and hca's own algorithms, leave them as given: so gloo
+                 // gets copies there (taken here, after the calls before have written the tensors).
+                 EngineTensors written;
+                 std::vector<at::Tensor> given;
+                 if (tensors[0].is_cpu() && getRank() != opts.rootRank) {
+                   for (const auto& t : tensors) given.push_back(t.clone(at::MemoryFormat::Contiguous));
+                 } else {
+                   given = written.outputs(tensors);
+                 }
+                 return written_back(engine(tensors[0], "reduce").reduce(given, opts), std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                              std::vector<at::Tensor>& inputs,
                                                              const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather");
-  return issue({"all_gather", inputs, flattened(outputs)}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto outs = engine_bytes(written.outputs(outputs), "allgather");
-                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather");
-                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts),
-                                      c10d::OpType::ALLGATHER, flattened(outputs), std::move(written), opts.asyncOp);
-                });
+  const auto flat_outputs = flattened(outputs);
+  CallTerms terms{"all_gather(" + tensors_text(inputs) + " -> " + tensors_text(flat_outputs) + ")"};
+  return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
+               opts.asyncOp, [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "allgather");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather");
+                 return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
-  return issue({"_allgather_base", {input}, {output}}, opts.asyncOp,
-                [&] {
-                  EngineTensors written;
-                  auto out = engine_bytes(written.output(output), "allgather_into_tensor");
-                  auto in = engine_bytes(EngineTensors::input(input), "allgather_into_tensor");
-                  return written_back(engine(input, "allgather_into_tensor")._allgather_base(out, in, opts),
-                                      c10d::OpType::_ALLGATHER_BASE, {output}, std::move(written), opts.asyncOp);
-                });
+  CallTerms terms{"all_gather_into_tensor(" + tensors_text({input}) + " -> " + tensors_text({output}) + ")"};
+  return issue("allgather_into_tensor", {"_allgather_base", {input}, {output}}, c10d::OpType::_ALLGATHER_BASE,
+               std::move(terms), opts.asyncOp, [this, output, input, opts] {
+                 EngineTensors written;
+                 auto out = engine_bytes(written.output(output), "allgather_into_tensor");
+                 auto in = engine_bytes(EngineTensors::input(input), "allgather_into_tensor");
+                 return written_back(engine(input, "allgather_into_tensor")._allgather_base(out, in, opts),
+                                     std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
-  return issue({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    EngineTensors written;
-    auto outs = engine_bytes(written.outputs(outputs), "allgather_into_tensor");
-    auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_into_tensor");
-    return written_back(engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts),
-                        c10d::OpType::COALESCED, outputs, std::move(written), opts.asyncOp);
-  });
+  CallTerms terms{"all_gather_into_tensor(" + tensors_text(inputs) + " -> " + tensors_text(outputs) + ")"};
+  return issue("allgather_into_tensor", {"allgather_into_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
+               std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
+                 EngineTensors written;
+                 auto outs = engine_bytes(written.outputs(outputs), "allgather_into_tensor");
+                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_into_tensor");
+                 return written_back(
+                     engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts),
+                     std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -160,26 +180,29 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
   check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
-  return issue({"reduce_scatter", flat_inputs, outputs}, opts.asyncOp, [&] {
-    EngineTensors written;
-    auto outs = written.outputs(outputs);
-    auto ins = EngineTensors::inputs(inputs);
-    return summed_then(engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outputs,
-                       outs, scale, std::move(written), opts.asyncOp);
-  });
+  return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
+               reduce_scatter_terms(flat_inputs, outputs, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
+                 EngineTensors written;
+                 auto outs = written.outputs(outputs);
+                 auto ins = EngineTensors::inputs(inputs);
+                 return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)),
+                                     outs, scale, std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
   check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
-  return issue({"_reduce_scatter_base", {input}, {output}}, opts.asyncOp, [&] {
-    EngineTensors written;
-    auto out = written.output(output);
-    auto in = EngineTensors::input(input);
-    return summed_then(engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
-                       {output}, {out}, scale, std::move(written), opts.asyncOp);
-  });
+  return issue("reduce_scatter_tensor", {"_reduce_scatter_base", {input}, {output}}, c10d::OpType::_REDUCE_SCATTER_BASE,
+               reduce_scatter_terms({input}, {output}, opts), opts.asyncOp, [this, output, input, opts, scale] {
+                 EngineTensors written;
+                 auto out = written.output(output);
+                 auto in = EngineTensors::input(input);
+                 return scaled_after(
+                     engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
+                     {out}, scale, std::move(written));
+               });
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesced(
@@ -188,14 +211,15 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
   check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
-  return issue({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    EngineTensors written;
-    auto outs = written.outputs(outputs);
-    auto ins = EngineTensors::inputs(inputs);
-    return summed_then(engine(inputs[0], "reduce_scatter_tensor")
-                           .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
-                       outputs, outs, scale, std::move(written), opts.asyncOp);
-  });
+  return issue("reduce_scatter_tensor", {"reduce_scatter_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
+               reduce_scatter_terms(inputs, outputs, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
+                 EngineTensors written;
+                 auto outs = written.outputs(outputs);
+                 auto ins = EngineTensors::inputs(inputs);
+                 return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
+                                         .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
+                                     outs, scale, std::move(written));
+               });
 }
 
 c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatterOptions& opts,
@@ -205,25 +229,27 @@ c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatter
   return engine_opts;
 }
 
-c10::intrusive_ptr<c10d::Work> PassthroughBackend::summed_then(c10::intrusive_ptr<c10d::Work> engine_work,
-                                                               std::vector<at::Tensor> results,
-                                                               std::vector<at::Tensor> sums,
-                                                               const std::optional<PremulFactor>& scale,
-                                                               EngineTensors written, bool async_op) {
-  if (!scale) {
-    return written_back(std::move(engine_work), c10d::OpType::REDUCE_SCATTER, std::move(results), std::move(written),
-                        async_op);
-  }
-  return then(std::move(engine_work), c10d::OpType::REDUCE_SCATTER, std::move(results),
-              [sums = std::move(sums), scale = *scale, written = std::move(written)] {
-                for (const auto& s : sums) scale.multiply(s, s);
-                written.write_back();
-              },
-              async_op);
+CallTerms PassthroughBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs,
+                                                   const std::vector<at::Tensor>& outputs,
+                                                   const c10d::ReduceScatterOptions& opts) {
+  return {"reduce_scatter(" + tensors_text(inputs) + " -> " + tensors_text(outputs) + ", " +
+          reduction_text(opts.reduceOp) + ")"};
+}
+
+EngineBackend::EngineCall PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,
+                                                           std::vector<at::Tensor> sums,
+                                                           const std::optional<PremulFactor>& scale,
+                                                           EngineTensors written) {
+  if (!scale) return written_back(std::move(engine_work), std::move(written));
+  return {std::move(engine_work), [sums = std::move(sums), scale = *scale, written = std::move(written)] {
+            for (const auto& s : sums) scale.multiply(s, s);
+            written.write_back();
+          }};
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::barrier(const c10d::BarrierOptions& opts) {
-  return issue({"barrier", {}, {}}, opts.asyncOp, [&] { return cpu_engine("barrier").barrier(opts); });
+  return issue("barrier", {"barrier", {}, {}}, c10d::OpType::BARRIER, {"barrier()"}, opts.asyncOp,
+               [this, opts] { return EngineCall{cpu_engine("barrier").barrier(opts)}; });
 }
 
 }  // namespace hca

@@ -39,12 +39,13 @@ class PassthroughBackend : public EngineBackend {
   // The engine's options for a reduce-scatter: SUM where `scale` multiplies after.
   static c10d::ReduceScatterOptions summing(const c10d::ReduceScatterOptions& opts,
                                             const std::optional<PremulFactor>& scale);
-  // A reduce-scatter's `engine_work` into `sums` (the engine's outputs: `results`, or dense
+  // A reduce-scatter's `engine_work` into `sums` (the engine's outputs: the caller's, or dense
   // copies that `written` writes back), then the scale where there is one, then the write-back.
-  c10::intrusive_ptr<c10d::Work> summed_then(c10::intrusive_ptr<c10d::Work> engine_work,
-                                             std::vector<at::Tensor> results, std::vector<at::Tensor> sums,
-                                             const std::optional<PremulFactor>& scale, EngineTensors written,
-                                             bool async_op);
+  static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
+                                 const std::optional<PremulFactor>& scale, EngineTensors written);
+  // What the ranks of a reduce-scatter agree on.
+  static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                                        const c10d::ReduceScatterOptions& opts);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
   WorkQueue queue_;

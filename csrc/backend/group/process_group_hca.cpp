@@ -107,6 +107,10 @@ void ProcessGroupHCA::fail(FailureKind kind, const std::string& cause) {
   if (auto call = life_.try_enter()) control_->publish_failure(Failure(kind, "", getRank(), cause));
 }
 
+void ProcessGroupHCA::check_usable(const char* op) {
+  if (auto call = life_.try_enter()) control_->check_usable(op);
+}
+
 void ProcessGroupHCA::end(bool abort) {
   const std::string rank = "rank " + std::to_string(getRank());
   life_.end(
@@ -323,13 +327,11 @@ std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milli
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {
-  std::string text = std::string(name) + "(" + details + ", " +
+  const std::string text = std::string(name) + "(" + details + ", " +
                      (options_.by_size.empty() ? std::string(algorithm_name(options_.algorithm)) + ", num_packs=" +
                                                      std::to_string(options_.packing.num_packs)
                                                : "chosen per call") + ")";
-  // Long descriptions are cut to fit the control block; a hash keeps them exact.
-  if (text.size() > 200) text = text.substr(0, 180) + "... #" + std::to_string(std::hash<std::string>{}(text));
-  return text;
+  return fitted_text(text, 200);  // the control block's slot
 }
 
 Collective ProcessGroupHCA::collective(std::vector<PackPlan> plan, std::vector<TensorSpan> spans, ReduceOp op,

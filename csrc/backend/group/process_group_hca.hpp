@@ -122,6 +122,10 @@ class ProcessGroupHCA : public c10d::Backend {
   // rank raise it, and this rank's later calls say the group is unusable. For
   // failures outside the node's media, e.g. of the stage between nodes.
   void fail(FailureKind kind, const std::string& cause);
+  // Raises the failure that broke the group on this rank, if any, naming `op` (the group
+  // across nodes asks before each call: its leaders would otherwise wait between nodes for
+  // peers that gave up).
+  void check_usable(const char* op);
   // The timeout of later calls without one of their own (as gloo's).
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
   // destroy_process_group calls shutdown: what is queued runs to its end, then
