@@ -5,8 +5,8 @@
 // comes until its timeout, and the timeout closes its connections for good.
 // hca's own algorithms check each call through their control block; calls that
 // reach gloo (algorithm="nccl" on CPU tensors, the exchanges between nodes'
-// leaders) are checked here, by a small all-gather of fixed size (the same on
-// every rank whatever it called) before the call itself. Where the ranks
+// leaders) are checked here, through the same engine, by a collective that is
+// the same whatever each rank called, before the call itself. Where the ranks
 // disagree every rank raises the same DistBackendError, before gloo sees the
 // call, and the engine stays usable.
 #pragma once
