@@ -258,7 +258,7 @@ def empty_tensors(rank, world, group=None):
 
 # The calls of mismatched_calls that the group across nodes runs in stages (the rest go whole to
 # the engine over every rank).
-STAGED_ACROSS_NODES = ("all_reduce", "all_reduce of another dtype", "broadcast", "reduce", "all_gather",
+STAGED_ACROSS_NODES = ("all_reduce", "all_reduce of no elements against some", "all_reduce of another dtype", "broadcast", "reduce", "all_gather",
                        "all_gather_single", "reduce_scatter_single", "all_reduce against a broadcast",
                        "barrier against an all_reduce")
 
@@ -275,6 +275,7 @@ def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
     received = [2 if r in odd_ranks else 1 for r in range(world)]
     calls = {
         "all_reduce": lambda: dist.all_reduce(torch.ones(n), group=group),
+        "all_reduce of no elements against some": lambda: dist.all_reduce(torch.ones(0 if odd else 4), group=group),
         "all_reduce of another dtype": lambda: dist.all_reduce(
             torch.ones(4, dtype=torch.float64 if odd else torch.float32), group=group),
         "broadcast": lambda: dist.broadcast(torch.ones(n), src=0, group=group),

@@ -20,12 +20,6 @@ namespace {
 constexpr int kDigestBits = 40;
 constexpr uint64_t kModulus = uint64_t{1} << kDigestBits;  // the ranks' sum of such values cannot overflow
 
-int64_t summed(c10d::Backend& engine, uint64_t value) {
-  std::vector<at::Tensor> one{at::full({1}, static_cast<int64_t>(value), at::kLong)};
-  engine.allreduce(one, c10d::AllreduceOptions())->wait();  // SUM, the engine's timeout
-  return one[0].item<int64_t>();
-}
-
 // Every rank's `row`, in rank order.
 at::Tensor gathered(c10d::Backend& engine, const at::Tensor& row) {
   at::Tensor every = at::empty({row.numel() * engine.getSize()}, row.options());
@@ -101,25 +95,40 @@ void name_the_texts(c10d::Backend& engine, const std::string& text, const char* 
 
 }  // namespace
 
-void agree_on_call(c10d::Backend& engine, const CallTerms& terms, const char* op,
-                   const std::function<std::string(int)>& member) {
+PendingAgreement::PendingAgreement(c10d::Backend& engine, CallTerms terms, const char* op,
+                                   std::function<std::string(int)> member)
+    : engine_(&engine), terms_(std::move(terms)), op_(op), member_(std::move(member)) {
   const int world = engine.getSize(), me = engine.getRank();
   if (world == 1) return;
-  TORCH_INTERNAL_ASSERT(terms.sends.size() == terms.receives.size() &&
-                        (terms.sends.empty() || terms.sends.size() == static_cast<size_t>(world)));
-  const uint64_t mine = digest(terms.text);
+  TORCH_INTERNAL_ASSERT(terms_.sends.size() == terms_.receives.size() &&
+                        (terms_.sends.empty() || terms_.sends.size() == static_cast<size_t>(world)));
+  digest_ = digest(terms_.text);
   uint64_t balance = 0;  // an all-to-all's side of each of this rank's pairs
-  for (int peer = 0; peer < static_cast<int>(terms.sends.size()); ++peer) {
-    balance += pair_weight(me, peer, world) * static_cast<uint64_t>(terms.sends[peer]);
-    balance -= pair_weight(peer, me, world) * static_cast<uint64_t>(terms.receives[peer]);
+  for (int peer = 0; peer < static_cast<int>(terms_.sends.size()); ++peer) {
+    balance += pair_weight(me, peer, world) * static_cast<uint64_t>(terms_.sends[peer]);
+    balance -= pair_weight(peer, me, world) * static_cast<uint64_t>(terms_.receives[peer]);
   }
-  const uint64_t sum = static_cast<uint64_t>(summed(engine, (mine + balance % kModulus) % kModulus));
-  if (sum % kModulus == (static_cast<uint64_t>(world) * mine) % kModulus) return;
+  sum_ = {at::full({1}, static_cast<int64_t>((digest_ + balance % kModulus) % kModulus), at::kLong)};
+  work_ = engine.allreduce(sum_, c10d::AllreduceOptions());  // SUM, the engine's timeout
+}
+
+void PendingAgreement::settle() {
+  if (!work_) return;  // one rank, or settled already
+  const auto work = std::move(work_);
+  work->wait();
+  const uint64_t sum = static_cast<uint64_t>(sum_[0].item<int64_t>());
+  const uint64_t world = static_cast<uint64_t>(engine_->getSize());
+  if (sum % kModulus == (world * digest_) % kModulus) return;
   // Every rank is here (but for the chance above): the texts first, then an all-to-all's pairs.
-  name_the_texts(engine, terms.text, op, member);
-  if (!terms.sends.empty()) name_the_pair(engine, terms, op, member);
-  C10_THROW_ERROR(DistBackendError, prefix(op) + member(me) + " called " + fitted_text(terms.text, kTextBytes - 1) +
+  name_the_texts(*engine_, terms_.text, op_, member_);
+  if (!terms_.sends.empty()) name_the_pair(*engine_, terms_, op_, member_);
+  C10_THROW_ERROR(DistBackendError, prefix(op_) + member_(engine_->getRank()) + " called " +
+                                        fitted_text(terms_.text, kTextBytes - 1) +
                                         ", and some rank's call differs beyond what the message shows");
+}
+
+void agree_on_call(c10d::Backend& engine, CallTerms terms, const char* op, std::function<std::string(int)> member) {
+  PendingAgreement(engine, std::move(terms), op, std::move(member)).settle();
 }
 
 }  // namespace hca

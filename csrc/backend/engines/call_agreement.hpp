@@ -26,11 +26,28 @@ struct CallTerms {
   std::vector<int64_t> sends = {}, receives = {};
 };
 
-// Agrees on `terms` with `engine`'s other ranks, through `engine` itself (in the
-// same order as the engine's other collectives, so from the thread that issues
-// them); DistBackendError naming `op` and the calls where they disagree.
-// `member(r)` names the engine's rank r in the message ("rank 1").
-void agree_on_call(c10d::Backend& engine, const CallTerms& terms, const char* op,
-                   const std::function<std::string(int)>& member);
+// An agreement on `terms` with `engine`'s other ranks, through `engine` itself
+// (in the same order as the engine's other collectives, so from the thread that
+// issues them): started at construction, so that it runs while the caller does
+// other work; settle() waits for it, once, and raises DistBackendError naming `op`
+// and the calls where the ranks disagree. `member(r)` names the engine's rank r
+// in the message ("rank 1").
+class PendingAgreement {
+ public:
+  PendingAgreement(c10d::Backend& engine, CallTerms terms, const char* op, std::function<std::string(int)> member);
+  void settle();
+
+ private:
+  c10d::Backend* engine_;
+  CallTerms terms_;
+  const char* op_;
+  std::function<std::string(int)> member_;
+  uint64_t digest_ = 0;
+  std::vector<at::Tensor> sum_;
+  c10::intrusive_ptr<c10d::Work> work_;  // null once settled (or with one rank)
+};
+
+// Agrees on `terms` at once.
+void agree_on_call(c10d::Backend& engine, CallTerms terms, const char* op, std::function<std::string(int)> member);
 
 }  // namespace hca

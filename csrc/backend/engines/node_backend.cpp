@@ -84,8 +84,33 @@ void NodeBackend::check_device(const at::Device& device, const char* op) const {
                               (with_cuda ? ", and CUDA tensors" : "; CUDA tensors need a build with CUDA"), ")");
 }
 
+NodeBackend::LeadersAgreement NodeBackend::agree_among_leaders(const std::set<int>& positions,
+                                                               const at::Device& device,
+                                                               const std::string& text) const {
+  LeadersAgreement agreement;
+  for (int position : positions) {
+    if (!leads(position)) continue;
+    const Engines& engines = leaders_.at(position);
+    if ((device.is_cuda() && engines.cuda) || !engines.cpu) continue;  // NCCL's (unchecked, as stock NCCL), or none
+    agreement.by_position.emplace(
+        position, PendingAgreement(*engines.cpu, {text}, "the exchange among the nodes' leaders", [position](int m) {
+          return "node " + std::to_string(m) + "'s leader at position " + std::to_string(position);
+        }));
+  }
+  return agreement;
+}
+
+void NodeBackend::LeadersAgreement::settle(int position) {
+  const auto pending = by_position.find(position);
+  if (pending != by_position.end()) pending->second.settle();
+}
+
+void NodeBackend::LeadersAgreement::settle_all() {
+  for (auto& entry : by_position) entry.second.settle();
+}
+
 NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<at::Tensor> tensors,
-                                                     const std::string& call_text, const Issue& issue) const {
+                                                     LeadersAgreement& agreed, const Issue& issue) const {
   const Engines& engines = leaders_.at(position);
   tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   AmongLeaders call;
@@ -102,10 +127,7 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     for (auto& t : tensors) t = t.to(at::kCPU);
     call.staged = tensors;
   }
-  agree_on_call(*engines.cpu, {call_text + " of " + tensors_text(tensors)}, "the exchange among the nodes' leaders",
-                [position](int m) {
-                  return "node " + std::to_string(m) + "'s leader at position " + std::to_string(position);
-                });
+  agreed.settle(position);
   call.work = issue(*engines.cpu, tensors);
   return call;
 }
@@ -147,13 +169,18 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const Call
 }
 
 void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const std::vector<Pack>& packs,
-                                   c10d::ReduceOp op, std::chrono::milliseconds timeout) {
+                                   c10d::ReduceOp op, std::chrono::milliseconds timeout, const std::string& text) {
   std::vector<at::Tensor> flats;
   std::vector<int> positions;
   for (const Pack& pack : packs) {
     flats.push_back(nccl::packed(tensors, pack));
     positions.push_back(pack_position(nodes_, options_, pack.index));
   }
+  // Position 0's leaders agree even where there are no packs (no elements): so that a node whose
+  // call has elements and one whose call has none are told apart.
+  std::set<int> agreeing(positions.begin(), positions.end());
+  agreeing.insert(0);
+  auto agreed = agree_among_leaders(agreeing, tensors[0].device(), text);
   // Pipelined: a leader's exchange between nodes (on the engine's own threads)
   // overlaps the next pack's reduction and the previous pack's copy back.
   auto reduce_opts = stage_options<c10d::ReduceOptions>(timeout);
@@ -167,7 +194,7 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     std::vector<at::Tensor> one{flats[i]};
     local_->reduce(one, reduce_opts)->wait();
     if (!leads(positions[i])) continue;
-    exchanges[i] = among_leaders(positions[i], {flats[i]}, "allreduce(" + reduction_text(op) + ")", [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
+    exchanges[i] = among_leaders(positions[i], {flats[i]}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
       return engine.allreduce(pack, across);
     });
   }
@@ -181,6 +208,7 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     std::vector<at::Tensor> one{flats[i]};
     local_->broadcast(one, copy_back)->wait();
   }
+  agreed.settle_all();
   for (size_t i = 0; i < packs.size(); ++i) nccl::unpack(flats[i], tensors, packs[i]);
 }
 
@@ -198,7 +226,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
   check_device(args.device(), "allreduce");
   auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
-    allreduce_stages(args.dense(), packs, op, timeout);
+    allreduce_stages(args.dense(), packs, op, timeout,
+                     "allreduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
     args.write_back();
   };
   return record({"allreduce", tensors, tensors}, opts.asyncOp,
@@ -223,8 +252,10 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& t
       c10d::BroadcastOptions across;
       across.rootRank = nodes_.node_of[src];
       across.timeout = timeout;
-      const std::string call = "broadcast(src node " + std::to_string(across.rootRank) + ")";
-      among_leaders(position, args.dense(), call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      auto agreed = agree_among_leaders(
+          {position}, args.device(),
+          "broadcast(" + args.text(0, args.descs().size()) + ", src=" + std::to_string(src) + ")");
+      among_leaders(position, args.dense(), agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.broadcast(tensors, across);
       }).finish();
     }
@@ -248,6 +279,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
   auto body = [this, args, dst = static_cast<int>(opts.rootRank), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
     const int position = root_position(nodes_, dst);
+    auto agreed = agree_among_leaders({position}, args.device(),
+                                      "reduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) +
+                                          ", dst=" + std::to_string(dst) + ")");
     const bool relays = leads(position) && getRank() != dst;  // a leader of another node
     // A relaying leader reduces into scratch copies: only dst's tensors change.
     std::vector<at::Tensor> partial;
@@ -261,8 +295,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       across.reduceOp = nccl::engine_op(op);
       across.rootRank = nodes_.node_of[dst];
       across.timeout = timeout;
-      const std::string call = "reduce(" + reduction_text(op) + ", dst node " + std::to_string(across.rootRank) + ")";
-      among_leaders(position, partial, call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      among_leaders(position, partial, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
       }).finish();
     }
@@ -278,7 +311,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
 }
 
 void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
-                                        std::chrono::milliseconds timeout) {
+                                        std::chrono::milliseconds timeout, LeadersAgreement& agreed) {
   const int64_t k = output.numel();
   std::vector<at::Tensor> whole{input.clone()};
   auto inside = stage_options<c10d::ReduceOptions>(timeout);
@@ -296,8 +329,7 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
       const auto& members = nodes_.members[m];
       at::Tensor part = rows.index_select(0, rows_on(std::vector<int64_t>(members.begin(), members.end()), rows));
       across.rootRank = m;
-      const std::string call = "reduce_scatter's reduce(" + reduction_text(op) + ", dst node " + std::to_string(m) + ")";
-      reductions.push_back(among_leaders(0, {part}, call, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      reductions.push_back(among_leaders(0, {part}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
       }));
       if (m == node()) blocks = part;
@@ -313,7 +345,8 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
   local_->scatter(mine, per_rank, scatter)->wait();
 }
 
-void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout) {
+void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout,
+                                   LeadersAgreement& agreed) {
   const int64_t k = input.numel();
   const int here = static_cast<int>(nodes_.members[node()].size());
   at::Tensor node_blocks = at::empty({here * k}, input.options());
@@ -326,7 +359,7 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
     at::Tensor every = at::empty({nodes_.count() * widest * k}, input.options());
     c10d::AllgatherOptions across;
     across.timeout = timeout;
-    among_leaders(0, {every, padded}, "all_gather_into_tensor", [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+    among_leaders(0, {every, padded}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
       return engine._allgather_base(tensors[0], tensors[1], across);
     }).finish();
     std::vector<int64_t> order;  // where rank r's block sits in `every`
@@ -349,9 +382,10 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at
   check_even(numels(args, 0, list.size()), static_cast<size_t>(k), "an output tensor", "allgather");
   check_device(args.device(), "allgather");
   auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
+    auto agreed = agree_among_leaders({0}, args.device(), "all_gather(" + args.text(0, args.descs().size()) + ")");
     at::Tensor in = args.dense()[input];
     at::Tensor flat = at::empty({getSize() * k}, in.options());
-    allgather_stages(flat, in, timeout);
+    allgather_stages(flat, in, timeout, agreed);
     for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
     args.write_back();
   };
@@ -372,9 +406,11 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
   const size_t n = outputs.size();
   check_device(args.device(), "allgather_into_tensor");
   auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
+    auto agreed = agree_among_leaders({0}, args.device(),
+                                      "all_gather_into_tensor(" + args.text(0, args.descs().size()) + ")");
     for (size_t i = 0; i < n; ++i) {
       at::Tensor out = args.dense()[i].view(-1), in = args.dense()[n + i].view(-1);
-      allgather_stages(out, in, timeout);
+      allgather_stages(out, in, timeout, agreed);
     }
     args.write_back();
   };
@@ -406,9 +442,11 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
   const size_t n = outputs.size();
   check_device(args.device(), "reduce_scatter_tensor");
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
+    auto agreed = agree_among_leaders(
+        {0}, args.device(), "reduce_scatter(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
     for (size_t i = 0; i < n; ++i) {
       at::Tensor out = args.dense()[i].view(-1);
-      reduce_scatter_stages(out, args.dense()[n + i].view(-1), op, timeout);
+      reduce_scatter_stages(out, args.dense()[n + i].view(-1), op, timeout, agreed);
     }
     args.write_back();
   };
@@ -420,12 +458,13 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
 c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& opts) {
   const CallArgs args("barrier", {});
   auto body = [this, timeout = timeout_or_default(opts.timeout)] {
+    auto agreed = agree_among_leaders({0}, at::kCPU, "barrier()");
     const auto inside = stage_options<c10d::BarrierOptions>(timeout);
     local_->barrier(inside)->wait();
     if (leads(0)) {
       c10d::BarrierOptions across;
       across.timeout = timeout;
-      among_leaders(0, {}, "barrier", [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
+      among_leaders(0, {}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
           .finish();
     }
     local_->barrier(inside)->wait();

@@ -8,6 +8,7 @@
 #pragma once
 #include <atomic>
 #include <map>
+#include <set>
 
 #include "../../plan/nodes.h"
 #include "../c10d_overrides.hpp"
@@ -56,11 +57,22 @@ class NodeBackend : public EngineBackend {
   // This node's leader of `position`, as a rank of the node's own group.
   int local_leader(int position) const { return nodes_.local_rank[nodes_.leader(node(), position)]; }
   bool leads(int position) const { return nodes_.leader(node(), position) == getRank(); }
+  // The leaders' agreement on one call (its text: the op, the tensors, the root, the
+  // reduction): the nodes' own groups check that their ranks agree, but not that the
+  // nodes do, and gloo among the leaders aborts the process where they do not. Started
+  // on each engine among leaders that this rank uses for the call and gloo carries,
+  // before the node's own first stage, so that it runs meanwhile; settled before the
+  // first exchange on that engine.
+  struct LeadersAgreement {
+    std::map<int, PendingAgreement> by_position;
+    void settle(int position);
+    void settle_all();  // those the call made no exchange on
+  };
+  LeadersAgreement agree_among_leaders(const std::set<int>& positions, const at::Device& device,
+                                       const std::string& text) const;
   // Issues `issue` among the leaders of `position` on `tensors` (what it reads
-  // and writes); finish() waits for it and copies host-staged results back.
-  // Where gloo carries it, the leaders first agree on `call` (the exchange, as
-  // "allreduce(SUM)") and the tensors: the nodes' own groups check that their
-  // ranks agree, but not that the nodes do.
+  // and writes), once `agreed` is settled there; finish() waits for it and
+  // copies host-staged results back.
   class AmongLeaders {
    public:
     void finish();
@@ -68,7 +80,7 @@ class NodeBackend : public EngineBackend {
     std::vector<at::Tensor> given, staged;
   };
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
-  AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, const std::string& call,
+  AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, LeadersAgreement& agreed,
                              const Issue& issue) const;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
@@ -76,14 +88,15 @@ class NodeBackend : public EngineBackend {
   // The three stages of an allreduce of dense `tensors` cut into `packs`, each
   // led from its pack position; AVG sums and divides once, on the leaders.
   void allreduce_stages(const std::vector<at::Tensor>& tensors, const std::vector<Pack>& packs, c10d::ReduceOp op,
-                        std::chrono::milliseconds timeout);
+                        std::chrono::milliseconds timeout, const std::string& text);
   // reduce_scatter of one dense input of world blocks: the node reduces it into
   // its leader of position 0, the leaders reduce each node's blocks into that
   // node's leader, which scatters them inside its node.
   void reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
-                             std::chrono::milliseconds timeout);
+                             std::chrono::milliseconds timeout, LeadersAgreement& agreed);
   // allgather of one dense input into one dense output of world blocks.
-  void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout);
+  void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout,
+                        LeadersAgreement& agreed);
   // Queues `body` over the call's tensors (for CUDA tensors, issued on an
   // internal stream with ProcessGroupNCCL's semantics); a failure breaks the
   // node's group (its ranks stop waiting on this one) and surfaces as
