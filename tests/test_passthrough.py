@@ -5,7 +5,8 @@ import torch.distributed as dist
 
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
-from node_cases import empty_tensors, forwarded_ops, mismatched_calls, strided_engine_ops
+from node_cases import (ddp_hca_and_gloo, empty_tensors, forwarded_ops, fsdp2_hca_and_gloo, mismatched_calls,
+                        strided_engine_ops)
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
                        reduce_scatter_single, supported)
 
@@ -116,6 +117,20 @@ def test_ranks_that_disagree_on_a_call_all_raise_before_gloo_gets_it(world):
     connections. Every rank raises "mismatched calls" within seconds, and the group goes on."""
     assert run_ranks(mismatched_calls, world, [world - 1], pg_options=torch_hca.Options("nccl"),
                      pg_timeout_s=30) == [[]] * world
+
+
+def _ddp_and_fsdp2_beside_gloo(rank, world):
+    ddp, fsdp2 = ddp_hca_and_gloo(rank, world), fsdp2_hca_and_gloo(rank, world)
+    return [all(torch.equal(a, b) for a, b in zip(*run)) for run in (ddp, fsdp2)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_and_fsdp2_match_gloo_bit_for_bit(world):
+    """DDP (its async bucket all-reduces and their futures) and FSDP2 (all_gather_into_tensor,
+    reduce_scatter_tensor) through the pass-through's queue, where every CPU call is agreed on
+    before gloo gets it: the same parameters as over gloo itself, bit for bit."""
+    env = {"TORCH_HCA_ALGORITHM": "nccl"}
+    assert run_ranks(_ddp_and_fsdp2_beside_gloo, world, env=env) == [[True, True]] * world
 
 
 # Dtypes gloo neither moves nor reduces ("Invalid scalar type"), as torch names them.
