@@ -325,6 +325,38 @@ def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
     return [e for e in errors if e]
 
 
+def misfit_messages(rank, world, group=None):
+    """Rank 1 sends rank 0 messages that its receives do not fit: a larger receiving tensor, another
+    dtype, a smaller one (where gloo carries messages, stock gloo fills the first two in part without
+    an error and aborts the process on the third). Each such receive raises ValueError naming both
+    sides, the message is consumed, and the channel goes on: a receive from any source after them
+    gets its message whole. The errors found, none when every receive behaves so."""
+    if rank == 1:
+        dist.send(torch.ones(10), 0, group=group)
+        dist.send(torch.ones(10, dtype=torch.int64), 0, group=group, tag=1)
+        dist.send(torch.ones(10), 0, group=group, tag=2)
+        dist.send(torch.arange(3.0), 0, group=group, tag=3)
+    if rank != 0:
+        return []
+    expected = {
+        "larger": (lambda: dist.recv(torch.empty(20), 1, group=group), "sent 10 x float32 with tag 0, but this recv expects 20 x float32"),
+        "dtype": (lambda: dist.recv(torch.empty(10), 1, group=group, tag=1), "sent 10 x int64 with tag 1, but this recv expects 10 x float32"),
+        "smaller": (lambda: dist.recv(torch.empty(4), 1, group=group, tag=2), "sent 10 x float32 with tag 2, but this recv expects 4 x float32"),
+    }
+    errors = []
+    for name, (call, message) in expected.items():
+        try:
+            call()
+            errors.append(f"{name}: no error")
+        except ValueError as e:
+            if f"hca recv: rank 1 {message}" not in str(e):
+                errors.append(f"{name}: {e}")
+    t = torch.empty(3)
+    source = dist.recv(t, group=group, tag=3)
+    errors.append(None if source == 1 and torch.equal(t, torch.arange(3.0)) else f"after them: {source} {t}")
+    return [e for e in errors if e]
+
+
 def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):
     """An async all-reduce across nodes, then one on a second group (across the same nodes), each
     round. Rank 0 makes the second 50 ms later, when its worker has got to the first call's stages;

@@ -269,6 +269,15 @@ def test_nodes_that_disagree_on_a_call_all_raise(name, env):
                      env_per_rank=_node_env(ids, env), pg_timeout_s=30) == [[]] * len(ids)
 
 
+@pytest.mark.parametrize("name", ["2x2", "interleaved"])
+def test_a_recv_its_message_does_not_fit_raises_across_named_nodes(name):
+    """Messages to other ranks go through gloo over every rank, whether the peer is on another
+    node ("interleaved": ranks 0 and 1) or on the same one ("2x2")."""
+    ids = LAYOUTS[name]
+    assert run_ranks(node_cases.misfit_messages, len(ids), env_per_rank=_node_env(ids), pg_timeout_s=30) == \
+        [[]] * len(ids)
+
+
 def _training_by_value(rank, world):
     """DDP's and FSDP2's parameters after the same steps over hca and over gloo, as arrays (tensors
     travel to the test as file descriptors, which end with the rank)."""

@@ -134,7 +134,8 @@ void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::
   }
 }
 
-EngineBackend::EngineBackend(int rank, int size, Engines engines) : c10d::Backend(rank, size), engines_(engines) {
+EngineBackend::EngineBackend(int rank, int size, Engines engines)
+    : c10d::Backend(rank, size), engines_(engines), described_(rank) {
   TORCH_CHECK_VALUE(engines_.cpu, "hca: a stock engine for CPU tensors is needed");
 }
 
@@ -317,19 +318,25 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "send");
+  check_rank(dst, getSize(), "dst", "send");  // gloo reads past its peers' list (a crash) for another
   return issue_message(CommsCall::message("send", tensors, dst), [&] {
     auto bytes = engine_bytes(EngineTensors::inputs(tensors), "send");
     const auto to = message_route(tensors[0], dst, "send");
+    if (described_by_gloo(to.backend, tensors)) {
+      return described_.send(to.backend, EngineTensors::input(tensors[0]), to.peer, tag);
+    }
     return to.backend.send(bytes, to.peer, tag);
   });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
   check_nonempty(tensors.size(), "the tensor list", "recv");
+  check_rank(src, getSize(), "src", "recv");
   if (src != getRank() || !own_messages()) check_received_into_contiguous(tensors);
   return issue_message(CommsCall::message("recv", tensors, src), [&] {
     auto bytes = engine_bytes(tensors, "recv");
     const auto from = message_route(tensors[0], src, "recv");
+    if (described_by_gloo(from.backend, tensors)) return described_.recv(from.backend, tensors[0], from.peer, tag);
     return from.backend.recv(bytes, from.peer, tag);
   });
 }
@@ -339,7 +346,9 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tens
   check_received_into_contiguous(tensors);
   return issue_message(CommsCall::message("recv", tensors, -1), [&] {
     auto bytes = engine_bytes(tensors, "recv");
-    return engine(tensors[0], "recv").recvAnysource(bytes, tag);
+    auto& from = engine(tensors[0], "recv");
+    if (described_by_gloo(from, tensors)) return described_.recv(from, tensors[0], -1, tag);
+    return from.recvAnysource(bytes, tag);
   });
 }
 

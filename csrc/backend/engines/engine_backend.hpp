@@ -13,6 +13,7 @@
 #include "../c10d_overrides.hpp"
 #include "../group/group_life.hpp"
 #include "call_agreement.hpp"
+#include "described_messages.hpp"
 
 namespace hca {
 
@@ -201,6 +202,11 @@ class EngineBackend : public c10d::Backend {
   // Messages to oneself of CPU tensors, which gloo takes none of (NCCL takes them), go here: a
   // group of hca's own and this rank's rank in it; none (they are refused) unless a subclass has one.
   virtual std::optional<MessageRoute> own_messages() const { return std::nullopt; }
+  // Whether a message of `tensors` through `backend` is gloo's, and so goes after a description
+  // of its tensor (DescribedMessages): one dense CPU tensor (gloo refuses lists itself).
+  bool described_by_gloo(const c10d::Backend& backend, const std::vector<at::Tensor>& tensors) const {
+    return &backend == engines_.cpu.get() && tensors.size() == 1 && tensors[0].is_cpu();
+  }
   c10d::Backend& cpu_engine(const char* op) const {
     life_.owner().check(op);
     return *engines_.cpu;
@@ -226,6 +232,7 @@ class EngineBackend : public c10d::Backend {
 
   GroupLife life_;
   Engines engines_;
+  DescribedMessages described_;  // the CPU engine's messages
   std::mutex post_step_mutex_;
   c10::intrusive_ptr<c10d::Work> post_step_;
 };

@@ -1,0 +1,114 @@
+#include "described_messages.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <thread>
+
+#include "../calls/work_hca.hpp"
+#include "engine_backend.hpp"
+
+namespace hca {
+namespace {
+
+// The description: dtype (c10's number), element count, the message's number.
+at::Tensor description(const at::Tensor& tensor, int64_t number) {
+  at::Tensor d = at::empty({3}, at::kLong);
+  d[0] = static_cast<int64_t>(tensor.scalar_type());
+  d[1] = tensor.numel();
+  d[2] = number;
+  return d;
+}
+
+// As Python names it ("float32"), as hca's mailbox does.
+std::string dtype_text(at::ScalarType type) { return std::string(c10::getDtypeNames(type).first); }
+
+// A send's two messages as one Work (gloo's sends complete in wait()).
+class DescribedSend final : public c10d::Work {
+ public:
+  DescribedSend(int rank, std::vector<at::Tensor> tensors, c10::intrusive_ptr<c10d::Work> described,
+                c10::intrusive_ptr<c10d::Work> bytes)
+      : c10d::Work(rank, c10d::OpType::SEND, "hca:send", tensors),
+        tensors_(std::move(tensors)),
+        described_(std::move(described)),
+        bytes_(std::move(bytes)) {}
+  bool wait(std::chrono::milliseconds timeout) override {
+    described_->wait(timeout);
+    const bool done = bytes_->wait(timeout);
+    finish();
+    return done;
+  }
+  void abort() override {
+    described_->abort();
+    bytes_->abort();
+  }
+  std::vector<at::Tensor> result() override { return tensors_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  c10::intrusive_ptr<c10d::Work> described_, bytes_;
+};
+
+}  // namespace
+
+struct DescribedMessages::Order {
+  std::mutex mutex;
+  std::condition_variable posted_changed;
+  std::map<std::pair<int, int>, int64_t> sent;    // (peer, tag): messages sent
+  std::map<std::pair<int, int>, int64_t> posted;  // (source, tag): bytes' receives posted
+};
+
+DescribedMessages::DescribedMessages(int rank) : rank_(rank), order_(std::make_shared<Order>()) {}
+
+c10::intrusive_ptr<c10d::Work> DescribedMessages::send(c10d::Backend& engine, const at::Tensor& tensor, int peer,
+                                                       int tag) {
+  int64_t number;
+  {
+    std::lock_guard<std::mutex> lock(order_->mutex);
+    number = order_->sent[{peer, tag}]++;
+  }
+  std::vector<at::Tensor> described{description(tensor, number)};
+  std::vector<at::Tensor> bytes{engine_bytes(tensor, "send")};
+  auto described_work = engine.send(described, peer, tag);
+  return c10::make_intrusive<DescribedSend>(rank_, std::vector<at::Tensor>{tensor}, std::move(described_work),
+                                            engine.send(bytes, peer, tag));
+}
+
+c10::intrusive_ptr<c10d::Work> DescribedMessages::recv(c10d::Backend& engine, const at::Tensor& tensor, int peer,
+                                                       int tag) {
+  auto work = c10::make_intrusive<PointToPointWork>(rank_, peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                                                    std::vector<at::Tensor>{tensor});
+  std::vector<at::Tensor> described{at::empty({3}, at::kLong)};
+  auto described_work = peer < 0 ? engine.recvAnysource(described, tag) : engine.recv(described, peer, tag);
+  auto keep_engine = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&engine);
+  std::thread([work, described, described_work, keep_engine, order = order_, tensor, peer, tag] {
+    std::exception_ptr error;
+    int source = peer;
+    try {
+      described_work->wait();  // the engine's timeout
+      if (source < 0) source = described_work->sourceRank();
+      const auto sent_type = static_cast<at::ScalarType>(described[0][0].item<int64_t>());
+      const int64_t sent_numel = described[0][1].item<int64_t>(), number = described[0][2].item<int64_t>();
+      const bool fits = sent_type == tensor.scalar_type() && sent_numel == tensor.numel();
+      std::vector<at::Tensor> into{engine_bytes(fits ? tensor : at::empty({sent_numel}, sent_type), "recv")};
+      c10::intrusive_ptr<c10d::Work> bytes_work;
+      {
+        std::unique_lock<std::mutex> lock(order->mutex);
+        int64_t& posted = order->posted[{source, tag}];
+        order->posted_changed.wait(lock, [&] { return posted == number; });
+        bytes_work = keep_engine->recv(into, source, tag);
+        ++posted;
+      }
+      order->posted_changed.notify_all();
+      bytes_work->wait();
+      TORCH_CHECK_VALUE(fits, "hca recv: rank ", source, " sent ", sent_numel, " x ", dtype_text(sent_type), " with tag ",
+                        tag, ", but this recv expects ", tensor.numel(), " x ", dtype_text(tensor.scalar_type()));
+    } catch (...) {
+      error = std::current_exception();
+    }
+    work->set_source(source);
+    work->complete(error);
+  }).detach();
+  return work;
+}
+
+}  // namespace hca
