@@ -65,8 +65,8 @@ void name_the_texts(c10d::Backend& engine, const std::string& text, const char* 
   const int me = engine.getRank();
   for (int r = 0; r < engine.getSize(); ++r) {
     if (text_of(r) != text_of(me)) {
-      C10_THROW_ERROR(DistBackendError,
-                      prefix(op) + member(me) + " called " + text_of(me) + " but " + member(r) + " called " + text_of(r));
+      C10_THROW_ERROR(DistBackendError, prefix(op) + member(me) + " called " + text_of(me) + " but " + member(r) +
+                                            " called " + text_of(r));
     }
   }
 }

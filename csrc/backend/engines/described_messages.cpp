@@ -100,8 +100,9 @@ c10::intrusive_ptr<c10d::Work> DescribedMessages::recv(c10d::Backend& engine, co
       }
       order->posted_changed.notify_all();
       bytes_work->wait();
-      TORCH_CHECK_VALUE(fits, "hca recv: rank ", source, " sent ", sent_numel, " x ", dtype_text(sent_type), " with tag ",
-                        tag, ", but this recv expects ", tensor.numel(), " x ", dtype_text(tensor.scalar_type()));
+      TORCH_CHECK_VALUE(fits, "hca recv: rank ", source, " sent ", sent_numel, " x ", dtype_text(sent_type),
+                        " with tag ", tag, ", but this recv expects ", tensor.numel(), " x ",
+                        dtype_text(tensor.scalar_type()));
     } catch (...) {
       error = std::current_exception();
     }

@@ -276,7 +276,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                   block_elements(input, input_splits, getSize(), "input_split_sizes"),
                   block_elements(output, output_splits, getSize(), "output_split_sizes")};
   return issue("alltoall_base", {"all_to_all", {input}, {output}, input_splits, output_splits},
-               c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp, [this, output, input, output_splits, input_splits, opts]() mutable {
+               c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp,
+               [this, output, input, output_splits, input_splits, opts]() mutable {
                  EngineTensors written;
                  auto out = engine_bytes(written.output(output), "alltoall_base");
                  auto in = engine_bytes(EngineTensors::input(input), "alltoall_base");
@@ -320,11 +321,10 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tens
   check_nonempty(tensors.size(), "the tensor list", "send");
   check_rank(dst, getSize(), "dst", "send");  // gloo reads past its peers' list (a crash) for another
   return issue_message(CommsCall::message("send", tensors, dst), [&] {
-    auto bytes = engine_bytes(EngineTensors::inputs(tensors), "send");
+    auto dense = EngineTensors::inputs(tensors);
     const auto to = message_route(tensors[0], dst, "send");
-    if (described_by_gloo(to.backend, tensors)) {
-      return described_.send(to.backend, EngineTensors::input(tensors[0]), to.peer, tag);
-    }
+    if (described_by_gloo(to.backend, tensors)) return described_.send(to.backend, dense[0], to.peer, tag);
+    auto bytes = engine_bytes(dense, "send");
     return to.backend.send(bytes, to.peer, tag);
   });
 }
@@ -334,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recv(std::vector<at::Tensor>& tens
   check_rank(src, getSize(), "src", "recv");
   if (src != getRank() || !own_messages()) check_received_into_contiguous(tensors);
   return issue_message(CommsCall::message("recv", tensors, src), [&] {
-    auto bytes = engine_bytes(tensors, "recv");
+    auto bytes = engine_bytes(tensors, "recv");  // a dtype gloo does not move: TypeError here, at the call
     const auto from = message_route(tensors[0], src, "recv");
     if (described_by_gloo(from.backend, tensors)) return described_.recv(from.backend, tensors[0], from.peer, tag);
     return from.backend.recv(bytes, from.peer, tag);
@@ -345,7 +345,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::recvAnysource(std::vector<at::Tens
   check_nonempty(tensors.size(), "the tensor list", "recv");
   check_received_into_contiguous(tensors);
   return issue_message(CommsCall::message("recv", tensors, -1), [&] {
-    auto bytes = engine_bytes(tensors, "recv");
+    auto bytes = engine_bytes(tensors, "recv");  // as recv's
     auto& from = engine(tensors[0], "recv");
     if (described_by_gloo(from, tensors)) return described_.recv(from, tensors[0], -1, tag);
     return from.recvAnysource(bytes, tag);

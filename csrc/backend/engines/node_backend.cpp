@@ -194,7 +194,8 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     std::vector<at::Tensor> one{flats[i]};
     local_->reduce(one, reduce_opts)->wait();
     if (!leads(positions[i])) continue;
-    exchanges[i] = among_leaders(positions[i], {flats[i]}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
+    exchanges[i] = among_leaders(positions[i], {flats[i]}, agreed,
+                                 [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
       return engine.allreduce(pack, across);
     });
   }
@@ -218,7 +219,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
   if (is_sparse_call(tensors)) {
     CallTerms terms{"allreduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) + ")"};
     return issue("allreduce", {"allreduce", tensors, tensors}, c10d::OpType::ALLREDUCE, std::move(terms), opts.asyncOp,
-                 [this, tensors, opts]() mutable { return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)}; });
+                 [this, tensors, opts]() mutable {
+                   return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)};
+                 });
   }
   CallArgs args("allreduce", tensors);
   args.reduce_op(opts.reduceOp);
@@ -329,7 +332,8 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
       const auto& members = nodes_.members[m];
       at::Tensor part = rows.index_select(0, rows_on(std::vector<int64_t>(members.begin(), members.end()), rows));
       across.rootRank = m;
-      reductions.push_back(among_leaders(0, {part}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+      reductions.push_back(among_leaders(0, {part}, agreed,
+                                         [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
       }));
       if (m == node()) blocks = part;
@@ -464,7 +468,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& 
     if (leads(0)) {
       c10d::BarrierOptions across;
       across.timeout = timeout;
-      among_leaders(0, {}, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
+      among_leaders(0, {}, agreed,
+                    [&](c10d::Backend& engine, std::vector<at::Tensor>&) { return engine.barrier(across); })
           .finish();
     }
     local_->barrier(inside)->wait();

@@ -185,8 +185,9 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                  EngineTensors written;
                  auto outs = written.outputs(outputs);
                  auto ins = EngineTensors::inputs(inputs);
-                 return scaled_after(engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)),
-                                     outs, scale, std::move(written));
+                 return scaled_after(
+                     engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
+                     std::move(written));
                });
 }
 
