@@ -325,6 +325,11 @@ def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
     return [e for e in errors if e]
 
 
+def messages_through_gloo(rank, world, group=None):
+    """misfit_messages, then messages_posted_ahead, in one launch."""
+    return misfit_messages(rank, world, group) + messages_posted_ahead(rank, world, group)
+
+
 def misfit_messages(rank, world, group=None):
     """Rank 1 sends rank 0 messages that its receives do not fit: a larger receiving tensor, another
     dtype, a smaller one (where gloo carries messages, stock gloo fills the first two in part without
@@ -355,6 +360,43 @@ def misfit_messages(rank, world, group=None):
     source = dist.recv(t, group=group, tag=3)
     errors.append(None if source == 1 and torch.equal(t, torch.arange(3.0)) else f"after them: {source} {t}")
     return [e for e in errors if e]
+
+
+def messages_posted_ahead(rank, world, group=None):
+    """Rank 0 posts every receive before it waits for any: three from each other rank on one tag
+    (sizes 10, 1000 and 5, random data), then one from any source per other rank on another tag.
+    Each gets its own message whole (in the sender's order), however many are posted from one
+    sender and tag. Where gloo carries the messages, as here, tags outside [0, 2^30) are
+    ValueErrors at the call (hca sends descriptions with the tag plus 2^30). The errors found."""
+    sizes = (10, 1000, 5)
+    sent = {(r, k): make_input(600 + 3 * r + k, r, n, torch.float32, "SUM") for r in range(1, world)
+            for k, n in enumerate(sizes)}
+    if rank != 0:
+        works = [dist.isend(sent[(rank, k)], 0, group=group, tag=5) for k in range(len(sizes))]
+        works.append(dist.isend(torch.full((7,), float(rank)), 0, group=group, tag=6))
+        for work in works:
+            work.wait()
+        return []
+    errors = []
+    got = {key: torch.empty_like(value) for key, value in sent.items()}
+    works = [dist.irecv(got[(r, k)], r, group=group, tag=5) for r in range(1, world) for k in range(len(sizes))]
+    anysource = [torch.empty(7) for _ in range(1, world)]
+    any_works = [dist.irecv(t, group=group, tag=6) for t in anysource]
+    for work in works + any_works:
+        work.wait()
+    errors += [f"tag 5, rank {r}, message {k}" for (r, k), t in got.items() if not torch.equal(t, sent[(r, k)])]
+    sources = sorted(int(t[0]) for t in anysource)
+    if sources != list(range(1, world)) or any(not torch.all(t == t[0]) for t in anysource):
+        errors.append(f"from any source: {anysource}")
+    for tag in (-1, 2**30):
+        for call in (dist.send, dist.recv):
+            try:
+                call(torch.ones(2), 1, group=group, tag=tag)
+                errors.append(f"{call.__name__} with tag {tag}: no error")
+            except ValueError as e:
+                if f"tag {tag} is out of range" not in str(e):
+                    errors.append(f"{call.__name__} with tag {tag}: {e}")
+    return errors
 
 
 def calls_in_turn_with_another_group(rank, world, device="cuda", rounds=3):

@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch_hca
 from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
 from node_cases import (ddp_hca_and_gloo, empty_tensors, forwarded_ops, fsdp2_hca_and_gloo, mismatched_calls,
-                        misfit_messages, strided_engine_ops)
+                        messages_through_gloo, strided_engine_ops)
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
                        reduce_scatter_single, supported)
 
@@ -120,8 +120,12 @@ def test_ranks_that_disagree_on_a_call_all_raise_before_gloo_gets_it(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_recv_its_message_does_not_fit_raises_and_the_channel_goes_on(world):
-    assert run_ranks(misfit_messages, world, pg_options=torch_hca.Options("nccl"), pg_timeout_s=30) == [[]] * world
+def test_receives_get_their_messages_however_many_are_posted_and_misfits_raise(world):
+    """A receive its message does not fit raises and the channel goes on; receives posted ahead
+    from one sender and tag each get their own message (gloo gave a second one the first one's
+    bytes as its description, and aborted)."""
+    options = torch_hca.Options("nccl")
+    assert run_ranks(messages_through_gloo, world, pg_options=options, pg_timeout_s=30) == [[]] * world
 
 
 def _ddp_and_fsdp2_beside_gloo(rank, world):

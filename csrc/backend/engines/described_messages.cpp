@@ -19,6 +19,20 @@ at::Tensor description(const at::Tensor& tensor, int64_t number) {
   return d;
 }
 
+// gloo hands a receive the next message on its (peer, tag) slot, whatever its size: on the
+// bytes' own slot, a second receive posted before the first one's bytes would get those bytes
+// as its description (gloo aborts the process). Descriptions go on slots of their own: the tag
+// plus 2^30, so a tag gloo carries lies in [0, 2^30).
+constexpr int kDescriptionTag = 1 << 30;
+
+int description_tag(int tag, const char* op) {
+  TORCH_CHECK_VALUE(tag >= 0 && tag < kDescriptionTag, "hca ", op, ": tag ", tag,
+                    " is out of range; where gloo carries the message (algorithm=\"nccl\" on CPU tensors, or ",
+                    "between nodes), a tag lies in [0, 2^30): hca sends each message's description with its tag ",
+                    "plus 2^30");
+  return tag + kDescriptionTag;
+}
+
 // As Python names it ("float32"), as hca's mailbox does.
 std::string dtype_text(at::ScalarType type) { return std::string(c10::getDtypeNames(type).first); }
 
@@ -61,6 +75,7 @@ DescribedMessages::DescribedMessages(int rank) : rank_(rank), order_(std::make_s
 
 c10::intrusive_ptr<c10d::Work> DescribedMessages::send(c10d::Backend& engine, const at::Tensor& tensor, int peer,
                                                        int tag) {
+  const int described_tag = description_tag(tag, "send");
   int64_t number;
   {
     std::lock_guard<std::mutex> lock(order_->mutex);
@@ -68,17 +83,19 @@ c10::intrusive_ptr<c10d::Work> DescribedMessages::send(c10d::Backend& engine, co
   }
   std::vector<at::Tensor> described{description(tensor, number)};
   std::vector<at::Tensor> bytes{engine_bytes(tensor, "send")};
-  auto described_work = engine.send(described, peer, tag);
+  auto described_work = engine.send(described, peer, described_tag);
   return c10::make_intrusive<DescribedSend>(rank_, std::vector<at::Tensor>{tensor}, std::move(described_work),
                                             engine.send(bytes, peer, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> DescribedMessages::recv(c10d::Backend& engine, const at::Tensor& tensor, int peer,
                                                        int tag) {
+  const int described_tag = description_tag(tag, "recv");
   auto work = c10::make_intrusive<PointToPointWork>(rank_, peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
                                                     std::vector<at::Tensor>{tensor});
   std::vector<at::Tensor> described{at::empty({3}, at::kLong)};
-  auto described_work = peer < 0 ? engine.recvAnysource(described, tag) : engine.recv(described, peer, tag);
+  auto described_work =
+      peer < 0 ? engine.recvAnysource(described, described_tag) : engine.recv(described, peer, described_tag);
   auto keep_engine = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&engine);
   std::thread([work, described, described_work, keep_engine, order = order_, tensor, peer, tag] {
     std::exception_ptr error;

@@ -6,7 +6,9 @@
 // tag, then the bytes; the receiver posts the bytes' receive only once the
 // description has come: into the caller's tensor where it fits, else into a
 // scratch tensor of what was sent (the sender completes), and the receive then
-// raises ValueError naming both, as hca's own mailbox does. The bytes' receives
+// raises ValueError naming both, as hca's own mailbox does. Descriptions travel on
+// tags of their own (the tag plus 2^30), so any number of receives may be posted
+// from one sender and tag (a tag gloo carries lies in [0, 2^30)). The bytes' receives
 // from one sender and tag are posted in the order of its messages (their
 // numbers), whatever order their descriptions' waiters wake in.
 #pragma once
