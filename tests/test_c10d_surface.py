@@ -54,6 +54,38 @@ def test_monitored_barrier_names_the_first_missing_rank():
     assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in msg, msg
 
 
+def _monitored_after_async_calls(rank, world):
+    """An async all-reduce and all-to-all (across nodes, gloo over every rank carries the latter),
+    then a monitored barrier before their waits; rank 0 lets its queue get to them first, the
+    others call the barrier at once. The results' errors."""
+    errors = []
+    for i in range(3):
+        inputs = [make_input(40 + i, r, 1000 * world, torch.float32, "SUM") for r in range(world)]
+        mine, exchanged = inputs[rank].clone(), torch.empty(1000 * world)
+        works = [dist.all_reduce(mine, async_op=True), dist.all_to_all_single(exchanged, inputs[rank], async_op=True)]
+        if rank == 0:
+            time.sleep(0.1)
+        torch_hca.monitored_barrier(timeout=timedelta(seconds=10))
+        for work in works:
+            work.wait()
+        errors.append(mismatch(f"all_reduce, round {i}", mine, reduce_reference(inputs, "SUM"), world))
+        want = torch.cat([inputs[r][1000 * rank:1000 * (rank + 1)] for r in range(world)])
+        errors.append(None if torch.equal(exchanged, want) else f"all_to_all_single, round {i}")
+    return [e for e in errors if e]
+
+
+@pytest.mark.parametrize("world, where", [(2, "nccl"), (3, "nccl"), (4, "2 nodes"), (3, "default")])
+def test_a_monitored_barrier_after_async_calls_takes_its_turn(world, where):
+    """Where gloo carries the calls (the pass-through, the calls across nodes), gloo numbers its
+    collectives as they reach it, its monitored barrier included: the barrier goes after the calls
+    queued before it. From the caller's thread it came before them on one rank, after on another,
+    and both waited until the barrier's timeout."""
+    how = {"nccl": dict(pg_options=torch_hca.Options("nccl")),
+           "2 nodes": dict(env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"]),
+           "default": {}}[where]
+    assert run_ranks(_monitored_after_async_calls, world, pg_timeout_s=30, **how) == [[]] * world
+
+
 def _sequence(rank, world):
     # torch's ProcessGroup wrapper answers only for gloo/nccl/ucc/xccl; split_group and
     # debugging tools call the backend, as here.

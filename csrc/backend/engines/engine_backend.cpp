@@ -213,7 +213,17 @@ EngineBackend::MessageRoute EngineBackend::message_route(const at::Tensor& tenso
 
 void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
   const auto inside = life_.enter("monitoredBarrier");
-  engines_.cpu->monitoredBarrier(opts, wait_all_ranks);
+  // gloo numbers its collectives in the order they reach it, and its monitored barrier takes
+  // numbers too: so it goes from the group's queue, after the CPU calls before it, as those do
+  // (from the caller's thread, it took numbers before a queued call on one rank and after it on
+  // another, and both waited until the timeout). Not agreed on first: a barrier that names the
+  // ranks that do not come must not wait for them elsewhere.
+  auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::BARRIER, std::vector<at::Tensor>{},
+                                           [this, opts, wait_all_ranks] {
+                                             cpu_engine("monitoredBarrier").monitoredBarrier(opts, wait_all_ranks);
+                                           });
+  queue().submit(work, true);
+  work->wait(kNoTimeout);
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
