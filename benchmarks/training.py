@@ -4,9 +4,10 @@
     python benchmarks/training.py --short            # what `make run` runs: 1 round, fewer steps
     python benchmarks/training.py --world-sizes 2,4  # 4 ranks on a 2-core machine: oversubscribed
 
-Every contender (gloo; hca with its default options; hca with num_packs = ranks) runs in a
-launch of its own, fresh processes with one intra-op thread each; the launches alternate, in
-order and then in reverse, for `--rounds` rounds. In each launch the ranks time, in batches that
+Every contender (gloo; hca with its default options; hca with num_packs = ranks; the pass-through,
+hca(algorithm=nccl), where --contenders names it) runs in a launch of its own, fresh processes
+with one intra-op thread each; the launches alternate, in order and then in reverse, for
+`--rounds` rounds. In each launch the ranks time, in batches that
 alternate so that all see the same moments of the machine:
 
   step   a training step (forward, backward, optimizer) under the wrapper, with its communication
@@ -96,13 +97,17 @@ def shard_units(model):
     return layers or [m for m in model if isinstance(m, torch.nn.Linear)]
 
 
-def contenders(world):
-    """(label, backend, hca options) for every contender."""
+def contenders(world, named=False):
+    """(label, backend, hca options) for every contender a run has by default; with `named`, also
+    those it runs only where --contenders names them: the pass-through, "hca(algorithm=nccl)"
+    (on CPU tensors gloo after hca's packing, every call agreed on first)."""
     import torch_hca
 
     rows = [("gloo", "gloo", None), ("hca", "hca", torch_hca.Options())]
     if world != torch_hca.Options().num_packs:
         rows.append((f"hca(num_packs={world})", "hca", torch_hca.Options(num_packs=world)))
+    if named:
+        rows.append(("hca(algorithm=nccl)", "hca", torch_hca.Options("nccl")))
     return rows
 
 
@@ -350,7 +355,7 @@ def worker(rank, world, init, contender, model_name, wrapper, steps, batches, af
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")  # FSDP2's, about our Sequential
-    label, backend, options = [c for c in contenders(world) if c[0] == contender][0]
+    label, backend, options = [c for c in contenders(world, named=True) if c[0] == contender][0]
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, pg_options=options)
     seconds, traffic = measure(rank, world, model_name, wrapper, steps, batches, after_compute)
     if rank == 0:
@@ -484,7 +489,7 @@ def checked_arguments(parser, args):
         parser.error("--rounds, --steps and --batches: need 1 or more each")
     labels_by_world = {}
     for world in args.world_sizes:
-        labels = [c[0] for c in contenders(world)]
+        labels = [c[0] for c in contenders(world, named=bool(args.contenders))]
         chosen = [label for label in labels if not args.contenders or label in args.contenders.split(",")]
         if not chosen:
             parser.error(f"--contenders: none of {args.contenders!r} runs at {world} ranks "

@@ -26,9 +26,12 @@ def test_training_benchmark_names_a_wrong_argument_before_any_launch(args, needl
 
 @pytest.mark.parametrize("world", [2, 3])  # FSDP2 issues no collectives at 1
 def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
+    # At 2 ranks every contender is named, the pass-through (run only where named) among them.
+    named = world == 2
     result = training.main(["--models", "tiny", "--world-sizes", str(world), "--wrappers", "ddp,fsdp2",
                             "--rounds", "1", "--steps", "1", "--batches", "2", "--out", str(tmp_path)]
-                           + ["--after-compute"] * (world == 3))
+                           + ["--after-compute"] * (world == 3)
+                           + ["--contenders", ",".join(c[0] for c in training.contenders(world, named=True))] * named)
     model, _ = training.tiny()
     numels = [sum(p.numel() for p in layer.parameters()) for layer in model if list(layer.parameters())]
     # FSDP2 pads each parameter's dim 0 to a multiple of the world size.
@@ -36,7 +39,7 @@ def test_training_benchmark_replays_the_steps_collectives(world, tmp_path):
               for layer in model if list(layer.parameters())]
     launches = result["launches"]
     assert {(r["wrapper"], r["contender"]) for r in launches} == {
-        (w, c) for w in ("ddp", "fsdp2") for c, _, _ in training.contenders(world)}
+        (w, c) for w in ("ddp", "fsdp2") for c, _, _ in training.contenders(world, named=named)}
     replays = ("alone", "after_compute") if world == 3 else ("alone",)
     for r in launches:
         assert all(r[f"{m}_ms"] > 0 for m in ("step", "local", "bookkeeping") + replays), r
