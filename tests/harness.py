@@ -32,6 +32,16 @@ STREAMS_ENV = {"TORCH_HCA_CPU_EXECUTOR": "streams"}
 NCCL_SHARED_GPU_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
 
 
+def group_kind(where):
+    """run_ranks' keywords for where a group's calls go: "default", hca's own algorithms; "nccl",
+    the pass-through (gloo carries CPU calls, from the group's queue); "2 nodes", 4 ranks on two
+    named nodes (ranks 0 and 2 on one), whose calls between nodes go through gloo."""
+    import torch_hca
+
+    return {"default": {}, "nccl": dict(pg_options=torch_hca.Options("nccl")),
+            "2 nodes": dict(env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"])}[where]
+
+
 def nccl_fits(ranks):
     """Whether stock NCCL can join `ranks` ranks here: a GPU each, or several ranks per GPU
     (NCCL 2.30+ with NCCL_SHARED_GPU_ENV)."""

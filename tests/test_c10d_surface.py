@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import SHRINK_ABORT, SHRINK_DEFAULT
 
 import torch_hca
-from harness import STREAMS_ENV, raises, run_ranks
+from harness import STREAMS_ENV, group_kind, raises, run_ranks
 from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -80,10 +80,7 @@ def test_a_monitored_barrier_after_async_calls_takes_its_turn(world, where):
     collectives as they reach it, its monitored barrier included: the barrier goes after the calls
     queued before it. From the caller's thread it came before them on one rank, after on another,
     and both waited until the barrier's timeout."""
-    how = {"nccl": dict(pg_options=torch_hca.Options("nccl")),
-           "2 nodes": dict(env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"]),
-           "default": {}}[where]
-    assert run_ranks(_monitored_after_async_calls, world, pg_timeout_s=30, **how) == [[]] * world
+    assert run_ranks(_monitored_after_async_calls, world, pg_timeout_s=30, **group_kind(where)) == [[]] * world
 
 
 def _sequence(rank, world):

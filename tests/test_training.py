@@ -5,7 +5,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_hca
-from harness import run_ranks
+from harness import group_kind, run_ranks
 from node_cases import fsdp2_training
 from reference import make_input, mismatch, reduce_reference
 
@@ -64,21 +64,12 @@ def _train_with_hooks(rank, world):
             for hook in COMM_HOOKS for bucket in ((25,) if "powerSGD" in hook else (0.01, 25))}
 
 
-# Where the group's calls go: hca's own algorithms; the pass-through, whose CPU calls reach gloo
-# from the group's queue (PowerSGD's callbacks then issue and wait on the queue's thread); two
-# named nodes, whose leaders' calls go through gloo.
-HOOK_GROUPS = {
-    "default": {},
-    "nccl": dict(pg_options=torch_hca.Options("nccl")),
-    "2 nodes": dict(env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"]),
-}
-
-
 @pytest.mark.parametrize("world, where", [(2, "default"), (3, "default"), (2, "nccl"), (3, "nccl"), (4, "2 nodes")])
 def test_ddp_comm_hooks_match_gloo(world, where):
     """torch's shipped comm hooks, PowerSGD's among them (its future callbacks issue and wait for
-    all-reduces: with ed2ce97's single worker thread they hung), train as with gloo."""
-    hca = run_ranks(_train_with_hooks, world, **HOOK_GROUPS[where])
+    all-reduces: with ed2ce97's single worker thread they hung), train as with gloo. Under the
+    pass-through, PowerSGD's callbacks issue and wait on the queue's thread."""
+    hca = run_ranks(_train_with_hooks, world, **group_kind(where))
     gloo = run_ranks(_train_with_hooks, world, backend="gloo")
     for hook in hca[0]:
         for a, b in zip(hca[0][hook], gloo[0][hook]):
