@@ -258,9 +258,9 @@ def empty_tensors(rank, world, group=None):
 
 # The calls of mismatched_calls that the group across nodes runs in stages (the rest go whole to
 # the engine over every rank).
-STAGED_ACROSS_NODES = ("all_reduce", "all_reduce of no elements against some", "all_reduce of another dtype", "broadcast", "reduce", "all_gather",
-                       "all_gather_single", "reduce_scatter_single", "all_reduce against a broadcast",
-                       "barrier against an all_reduce")
+STAGED_ACROSS_NODES = ("all_reduce", "all_reduce of no elements against some", "all_reduce of another dtype",
+                       "broadcast", "reduce", "all_gather", "all_gather_single", "reduce_scatter_single",
+                       "reduce_scatter", "all_reduce against a broadcast", "barrier against an all_reduce")
 
 
 def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
@@ -283,6 +283,8 @@ def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
         "all_gather": lambda: dist.all_gather([torch.empty(n) for _ in range(world)], torch.ones(n), group=group),
         "all_gather_single": lambda: all_gather_single(torch.empty(world * n), torch.ones(n), group=group),
         "reduce_scatter_single": lambda: reduce_scatter_single(torch.empty(n), torch.ones(world * n), group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.empty(n), [torch.ones(n) for _ in range(world)],
+                                                      group=group),
         "gather": lambda: dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == 0 else None,
                                       dst=0, group=group),
         "scatter": lambda: dist.scatter(torch.empty(n), [torch.ones(n) for _ in range(world)] if rank == 0 else None,

@@ -74,6 +74,13 @@ def _forwarded(rank, world):
         flat = torch.empty(100 * world, dtype=t.dtype)
         all_gather_single(flat, moved[rank])
         errors.append(mismatch(f"all_gather_single {t.dtype}", flat, torch.cat(moved), world))
+    # Slots of different sizes (as gloo and NCCL take them): each rank's output is its own slot.
+    slots = [[make_input(12, q * world + r, r + 3, torch.float32, "SUM") for r in range(world)] for q in range(world)]
+    for op in ("SUM", "AVG"):
+        out = torch.zeros(rank + 3)
+        dist.reduce_scatter(out, slots[rank], op=OPS[op])
+        errors.append(mismatch(f"reduce_scatter {op}, slots of different sizes", out,
+                               reduce_reference([slots[q][rank] for q in range(world)], op), world))
     for dst in range(world):  # a non-root's tensor stays as given, as with NCCL (gloo wrote in it)
         t = inputs[rank].clone()
         dist.reduce(t, dst=dst)
@@ -185,6 +192,10 @@ def _refused_before_the_engine(rank, world):
                          "reduce_scatter": lambda: dist.reduce_scatter(float_out, list(floats.chunk(world)), op=OPS[op]),
                          }.items():
             msgs[f"{call} {op} float32"] = (raises(fn, ValueError), f"ReduceOp.{op} is not supported for float32")
+    if world > 1:  # gloo refuses it (hca's own algorithms and NCCL take it): named once the ranks agree
+        msgs["all_gather into slots of different sizes"] = (
+            raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(rank + 1)),
+                   ValueError), "output tensors of 1 and 2 elements: gloo, which carries this group's CPU calls")
     own = torch.ones(3)  # gloo would fail with "Pair is not connected"
     for call, fn in {"isend to itself": lambda: dist.isend(own, rank),
                      "irecv from itself": lambda: dist.irecv(own, rank)}.items():

@@ -20,6 +20,26 @@ std::optional<PremulFactor> post_scale(const c10d::ReduceOp& op, const std::vect
   return PremulFactor::of(op, name, at::kCPU);
 }
 
+// This rank's own tensor in a list form whose slots may differ in size from rank to rank
+// (reduce_scatter's output, all_gather's input: this rank's slot of a list every rank
+// passes alike): "its slot" where it fits that slot, so that such ranks agree; else its
+// size, which names it where the ranks disagree.
+std::string own_slot_text(const at::Tensor& own, const std::vector<at::Tensor>& slots, int rank) {
+  const bool fits = static_cast<size_t>(rank) < slots.size() && own.scalar_type() == slots[rank].scalar_type() &&
+                    own.numel() == slots[rank].numel();
+  return fits ? "its slot" : tensors_text({own});
+}
+
+// ValueError for an all_gather into tensors of different sizes, which gloo refuses (NCCL and
+// hca's own algorithms take them); raised once the ranks agree on the call, so every rank does.
+void check_one_size_for_gloo(const std::vector<at::Tensor>& outputs) {
+  for (const auto& t : outputs) {
+    TORCH_CHECK_VALUE(t.numel() == outputs[0].numel(), "hca allgather: output tensors of ", outputs[0].numel(),
+                      " and ", t.numel(), " elements: gloo, which carries this group's CPU calls "
+                      "(algorithm=\"nccl\"), gathers tensors of one size only; hca's own algorithms take them");
+  }
+}
+
 }  // namespace
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
@@ -134,9 +154,12 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
                                                              const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather");
   const auto flat_outputs = flattened(outputs);
-  CallTerms terms{"all_gather(" + tensors_text(inputs) + " -> " + tensors_text(flat_outputs) + ")"};
+  const bool one_list = inputs.size() == 1 && outputs.size() == 1;
+  CallTerms terms{"all_gather(" + (one_list ? own_slot_text(inputs[0], outputs[0], getRank()) : tensors_text(inputs)) +
+                  " -> " + tensors_text(flat_outputs) + ")"};
   return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
                opts.asyncOp, [this, outputs, inputs, opts] {
+                 if (inputs[0].is_cpu()) check_one_size_for_gloo(flattened(outputs));
                  EngineTensors written;
                  auto outs = engine_bytes(written.outputs(outputs), "allgather");
                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather");
@@ -180,8 +203,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
   check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
+  // gloo, as NCCL, takes slots of different sizes: each rank's output is its own.
+  const auto own = outputs.size() == 1 && inputs.size() == 1 ? own_slot_text(outputs[0], flat_inputs, getRank())
+                                                              : tensors_text(outputs);
   return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
-               reduce_scatter_terms(flat_inputs, outputs, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
+               reduce_scatter_terms(flat_inputs, own, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
                  auto outs = written.outputs(outputs);
                  auto ins = EngineTensors::inputs(inputs);
@@ -196,7 +222,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
   check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
   return issue("reduce_scatter_tensor", {"_reduce_scatter_base", {input}, {output}}, c10d::OpType::_REDUCE_SCATTER_BASE,
-               reduce_scatter_terms({input}, {output}, opts), opts.asyncOp, [this, output, input, opts, scale] {
+               reduce_scatter_terms({input}, tensors_text({output}), opts), opts.asyncOp,
+               [this, output, input, opts, scale] {
                  EngineTensors written;
                  auto out = written.output(output);
                  auto in = EngineTensors::input(input);
@@ -213,7 +240,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
   return issue("reduce_scatter_tensor", {"reduce_scatter_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
-               reduce_scatter_terms(inputs, outputs, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
+               reduce_scatter_terms(inputs, tensors_text(outputs), opts), opts.asyncOp,
+               [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
                  auto outs = written.outputs(outputs);
                  auto ins = EngineTensors::inputs(inputs);
@@ -230,11 +258,9 @@ c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatter
   return engine_opts;
 }
 
-CallTerms PassthroughBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs,
-                                                   const std::vector<at::Tensor>& outputs,
+CallTerms PassthroughBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
                                                    const c10d::ReduceScatterOptions& opts) {
-  return {"reduce_scatter(" + tensors_text(inputs) + " -> " + tensors_text(outputs) + ", " +
-          reduction_text(opts.reduceOp) + ")"};
+  return {"reduce_scatter(" + tensors_text(inputs) + " -> " + outputs + ", " + reduction_text(opts.reduceOp) + ")"};
 }
 
 EngineBackend::EngineCall PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,

@@ -43,8 +43,8 @@ class PassthroughBackend : public EngineBackend {
   // copies that `written` writes back), then the scale where there is one, then the write-back.
   static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
                                  const std::optional<PremulFactor>& scale, EngineTensors written);
-  // What the ranks of a reduce-scatter agree on.
-  static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+  // What the ranks of a reduce-scatter agree on (`outputs`: their text).
+  static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
                                         const c10d::ReduceScatterOptions& opts);
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
