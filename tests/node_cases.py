@@ -218,6 +218,34 @@ def strided_engine_ops(rank, world, group=None, premul=False):
     return [e for e in errors if e]
 
 
+def shaped_wholes(rank, world, group=None):
+    """all_gather_into_tensor and reduce_scatter_tensor (alone and coalesced) with the whole tensor
+    shaped as torch documents and NCCL takes it: stacked (ranks, *part), flat, or of any shape with
+    `world` parts' elements, the parts one after another in memory (gloo takes only the parts
+    stacked along the first dimension); every element against the inputs or a float64 reference."""
+    errors = []
+    parts = [make_input(960, r, 6, torch.float32, "SUM").view(2, 3) for r in range(world)]
+    gathered = torch.cat([p.reshape(-1) for p in parts])
+    for name, shape in (("stacked", (world, 2, 3)), ("flat", (world * 6,)), ("columns", (2, 3 * world))):
+        out = torch.zeros(shape)
+        all_gather_single(out, parts[rank], group=group)
+        errors.append(mismatch(f"all_gather_into_tensor {name}", out.reshape(-1), gathered, world))
+    wholes = [make_input(961, r, world * 6, torch.float32, "SUM") for r in range(world)]
+    total = reduce_reference(wholes, "SUM")[rank * 6:(rank + 1) * 6].view(2, 3)
+    for name, shape in (("stacked", (world, 2, 3)), ("flat", (world * 6,))):
+        out = torch.zeros(2, 3)
+        reduce_scatter_single(out, wholes[rank].view(shape), group=group)
+        errors.append(mismatch(f"reduce_scatter_tensor {name}", out, total, world))
+    stacked, scattered = torch.zeros(world, 2, 3), torch.zeros(2, 3)
+    with dist._coalescing_manager(group=group):  # one kind of call per window
+        all_gather_single(stacked, parts[rank], group=group)
+    with dist._coalescing_manager(group=group):
+        reduce_scatter_single(scattered, wholes[rank].view(world, 2, 3), group=group)
+    errors.append(mismatch("coalesced all_gather_into_tensor stacked", stacked.reshape(-1), gathered, world))
+    errors.append(mismatch("coalesced reduce_scatter_tensor stacked", scattered, total, world))
+    return [e for e in errors if e]
+
+
 def empty_tensors(rank, world, group=None):
     """Every operation on tensors of no elements (an FSDP shard, a DDP bucket of unused parameters
     can be empty), then an all_reduce that must still be right: a failing stage would have broken

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import SMALL_CHUNKS, raises, run_ranks
+from node_cases import shaped_wholes
+from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
 
@@ -552,3 +553,11 @@ def test_float8_tensors_are_moved_not_reduced(world, device):
         for msg, dtype in zip(refusals, [d for d in MOVED_ONLY for _ in range(3)]):
             name = str(dtype).replace("torch.f", "F")
             assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg
+
+
+@pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
+def test_whole_tensors_of_any_shape_with_the_parts_elements(where):
+    """Under the pass-through, gloo got them as given and refused all but the parts stacked along
+    the first dimension."""
+    world = 4 if where == "2 nodes" else 3
+    assert run_ranks(shaped_wholes, world, **group_kind(where)) == [[]] * world

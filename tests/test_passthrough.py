@@ -192,6 +192,12 @@ def _refused_before_the_engine(rank, world):
                          "reduce_scatter": lambda: dist.reduce_scatter(float_out, list(floats.chunk(world)), op=OPS[op]),
                          }.items():
             msgs[f"{call} {op} float32"] = (raises(fn, ValueError), f"ReduceOp.{op} is not supported for float32")
+    for call, fn, expected in (  # as hca's own algorithms name them, at the call (gloo: its own RuntimeError)
+            ("all_gather_single of the wrong size", lambda: all_gather_single(torch.zeros(world * 6 + 1), torch.ones(6)),
+             f"the output has {world * 6 + 1} elements, expected {world * 6}"),
+            ("reduce_scatter_single of the wrong size", lambda: reduce_scatter_single(torch.zeros(6), torch.ones(5)),
+             f"the input has 5 elements, expected {world * 6}")):
+        msgs[call] = (raises(fn, ValueError), expected)
     if world > 1:  # gloo refuses it (hca's own algorithms and NCCL take it): named once the ranks agree
         msgs["all_gather into slots of different sizes"] = (
             raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(rank + 1)),

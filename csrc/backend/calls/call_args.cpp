@@ -220,12 +220,15 @@ std::vector<TensorSpan> CallArgs::in_place(size_t first, size_t count) const {
   return spans;
 }
 
-void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what) const {
-  const auto& t = original_[i];
-  const auto& l = original_[like];
-  TORCH_CHECK_TYPE(t.scalar_type() == l.scalar_type(), "hca ", name_, ": ", what, " has dtype ", t.scalar_type(),
-                   " but the input has ", l.scalar_type());
-  TORCH_CHECK_VALUE(t.numel() == numel, "hca ", name_, ": ", what, " has ", t.numel(), " elements, expected ", numel);
+void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, const char* what, const char* op,
+                const char* like_what) {
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), "hca ", op, ": ", what, " has dtype ", t.scalar_type(),
+                   " but ", like_what, " has ", like.scalar_type());
+  TORCH_CHECK_VALUE(t.numel() == numel, "hca ", op, ": ", what, " has ", t.numel(), " elements, expected ", numel);
+}
+
+void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what, const char* like_what) const {
+  hca::check_like(original_[i], original_[like], numel, what, name_, like_what);
 }
 
 void CallArgs::write_back() const {
@@ -278,7 +281,7 @@ CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, cons
                               [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(out, in, rank); });
   const size_t n = outputs.size();
   for (size_t i = 0; i < n; ++i) {
-    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * size, "the input");
+    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * size, "the input", "the output");
   }
   return args;
 }

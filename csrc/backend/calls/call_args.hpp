@@ -72,7 +72,7 @@ class CallArgs {
   // Each of [first, first + count) read and written in place.
   std::vector<TensorSpan> in_place(size_t first, size_t count) const;
   // Checks tensor i against tensor `like`: same dtype, `numel` elements.
-  void check_like(size_t i, size_t like, int64_t numel, const char* what) const;
+  void check_like(size_t i, size_t like, int64_t numel, const char* what, const char* like_what = "the input") const;
   // Copies the dense results back into non-contiguous originals.
   void write_back() const;
   // Whether some tensor is a dense copy (write_back writes it).
@@ -107,6 +107,10 @@ std::optional<ReduceOp> plan_op(const c10d::ReduceOp& op);
 // BAND, BOR and BXOR an integer or bool one (as gloo has them).
 void check_reducible(DType dtype, ReduceOp op, const char* name);
 void check_nonempty(size_t count, const char* what, const char* op);
+// TypeError where `t` (`what` of call `op`: "the output") has not `like`'s dtype (`like`:
+// `like_what`), ValueError where it has not `numel` elements.
+void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, const char* what, const char* op,
+                const char* like_what = "the input");
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);
 // The paired forms, output i for input i: as many outputs as inputs, at least

@@ -40,6 +40,30 @@ void check_one_size_for_gloo(const std::vector<at::Tensor>& outputs) {
   }
 }
 
+// The tensor forms checked as hca's own algorithms check them, at the call: as many wholes
+// (an all-gather's outputs, a reduce-scatter's inputs) as parts, each whole of its part's
+// dtype and `size` times its elements.
+void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
+                       const char* whole, const char* part, const char* op) {
+  TORCH_CHECK_VALUE(wholes.size() == parts.size(), "hca ", op, ": ", wholes.size(), " ", whole, "s for ",
+                    parts.size(), " ", part, "s");
+  const std::string the_whole = std::string("the ") + whole, the_part = std::string("the ") + part;
+  for (size_t i = 0; i < wholes.size(); ++i) {
+    check_like(wholes[i], parts[i], parts[i].numel() * size, the_whole.c_str(), op, the_part.c_str());
+  }
+}
+
+// gloo takes the ranks' parts of a whole stacked along its first dimension only, and checks
+// the shapes so: it refuses a whole shaped (ranks, *part) or flat. NCCL and hca's own
+// algorithms take any shape of the right size, the parts one after another in memory. So
+// gloo gets the tensors flat (they are dense by now: EngineTensors).
+std::vector<at::Tensor> flat_for_gloo(std::vector<at::Tensor> tensors) {
+  for (auto& t : tensors) {
+    if (t.is_cpu()) t = t.view(-1);
+  }
+  return tensors;
+}
+
 }  // namespace
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
@@ -169,12 +193,13 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
+  check_tensor_form({output}, {input}, getSize(), "output", "input", "allgather_into_tensor");
   CallTerms terms{"all_gather_into_tensor(" + tensors_text({input}) + " -> " + tensors_text({output}) + ")"};
   return issue("allgather_into_tensor", {"_allgather_base", {input}, {output}}, c10d::OpType::_ALLGATHER_BASE,
                std::move(terms), opts.asyncOp, [this, output, input, opts] {
                  EngineTensors written;
-                 auto out = engine_bytes(written.output(output), "allgather_into_tensor");
-                 auto in = engine_bytes(EngineTensors::input(input), "allgather_into_tensor");
+                 auto out = flat_for_gloo({engine_bytes(written.output(output), "allgather_into_tensor")})[0];
+                 auto in = flat_for_gloo({engine_bytes(EngineTensors::input(input), "allgather_into_tensor")})[0];
                  return written_back(engine(input, "allgather_into_tensor")._allgather_base(out, in, opts),
                                      std::move(written));
                });
@@ -183,12 +208,13 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& o
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "allgather_into_tensor");
+  check_tensor_form(outputs, inputs, getSize(), "output", "input", "allgather_into_tensor");
   CallTerms terms{"all_gather_into_tensor(" + tensors_text(inputs) + " -> " + tensors_text(outputs) + ")"};
   return issue("allgather_into_tensor", {"allgather_into_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
                std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
                  EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "allgather_into_tensor");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_into_tensor");
+                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather_into_tensor"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather_into_tensor"));
                  return written_back(
                      engine(inputs[0], "allgather_into_tensor").allgather_into_tensor_coalesced(outs, ins, opts),
                      std::move(written));
@@ -220,13 +246,14 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
   check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
+  check_tensor_form({input}, {output}, getSize(), "input", "output", "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
   return issue("reduce_scatter_tensor", {"_reduce_scatter_base", {input}, {output}}, c10d::OpType::_REDUCE_SCATTER_BASE,
                reduce_scatter_terms({input}, tensors_text({output}), opts), opts.asyncOp,
                [this, output, input, opts, scale] {
                  EngineTensors written;
-                 auto out = written.output(output);
-                 auto in = EngineTensors::input(input);
+                 auto out = flat_for_gloo({written.output(output)})[0];
+                 auto in = flat_for_gloo({EngineTensors::input(input)})[0];
                  return scaled_after(
                      engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
                      {out}, scale, std::move(written));
@@ -238,13 +265,14 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
   check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
   check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
+  check_tensor_form(inputs, outputs, getSize(), "input", "output", "reduce_scatter_tensor");
   const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
   return issue("reduce_scatter_tensor", {"reduce_scatter_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
                reduce_scatter_terms(inputs, tensors_text(outputs), opts), opts.asyncOp,
                [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
-                 auto outs = written.outputs(outputs);
-                 auto ins = EngineTensors::inputs(inputs);
+                 auto outs = flat_for_gloo(written.outputs(outputs));
+                 auto ins = flat_for_gloo(EngineTensors::inputs(inputs));
                  return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
                                          .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
                                      outs, scale, std::move(written));
