@@ -246,6 +246,19 @@ def shaped_wholes(rank, world, group=None):
     return [e for e in errors if e]
 
 
+def all_to_all_of_any_sizes(rank, world, group=None):
+    """all_to_all's list form with a tensor of its own size (and shape) for each pair of ranks, as NCCL
+    takes it (gloo's takes one size only), non-contiguous outputs too: every element against the
+    senders' inputs."""
+    def part(src, dst):  # what rank `src` sends to rank `dst`
+        return make_input(962, src * world + dst, (src + 2 * dst + 1) * 3, torch.float64, "SUM").view(-1, 3)
+
+    outputs = [torch.zeros(3, part(src, rank).shape[0], dtype=torch.float64).t() for src in range(world)]  # views
+    dist.all_to_all(outputs, [part(rank, dst) for dst in range(world)], group=group)
+    return [e for e in (mismatch(f"all_to_all from rank {src}", outputs[src], part(src, rank), world)
+                        for src in range(world)) if e]
+
+
 def empty_tensors(rank, world, group=None):
     """Every operation on tensors of no elements (an FSDP shard, a DDP bucket of unused parameters
     can be empty), then an all_reduce that must still be right: a failing stage would have broken

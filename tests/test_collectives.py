@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from node_cases import shaped_wholes
+from node_cases import all_to_all_of_any_sizes, shaped_wholes
 from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
@@ -555,9 +555,13 @@ def test_float8_tensors_are_moved_not_reduced(world, device):
             assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg
 
 
+def _forms_nccl_takes(rank, world):
+    return shaped_wholes(rank, world) + all_to_all_of_any_sizes(rank, world)
+
+
 @pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
-def test_whole_tensors_of_any_shape_with_the_parts_elements(where):
-    """Under the pass-through, gloo got them as given and refused all but the parts stacked along
-    the first dimension."""
+def test_forms_that_nccl_takes_and_gloo_does_not(where):
+    """Whole tensors of any shape with the parts' elements, all_to_all lists of any sizes: under the
+    pass-through and across nodes gloo got them as given and refused them."""
     world = 4 if where == "2 nodes" else 3
-    assert run_ranks(shaped_wholes, world, **group_kind(where)) == [[]] * world
+    assert run_ranks(_forms_nccl_takes, world, **group_kind(where)) == [[]] * world

@@ -303,13 +303,47 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
   check_nonempty(inputs.size(), "the input list", "alltoall");
   CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")",
                   elements_of(inputs, getSize(), "inputs"), elements_of(outputs, getSize(), "outputs")};
+  for (const auto* list : {&inputs, &outputs}) {
+    for (const auto& t : *list) {
+      check_like(t, inputs[0], t.numel(), list == &inputs ? "an input tensor" : "an output tensor", "alltoall",
+                 "the first input");
+    }
+  }
   return issue("alltoall", {"all_to_all", inputs, outputs}, c10d::OpType::ALLTOALL, std::move(terms), opts.asyncOp,
                [this, outputs, inputs, opts] {
+                 if (inputs[0].is_cpu()) return alltoall_in_one(outputs, inputs, opts);
                  EngineTensors written;
                  auto outs = engine_bytes(written.outputs(outputs), "alltoall");
                  auto ins = engine_bytes(EngineTensors::inputs(inputs), "alltoall");
                  return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), std::move(written));
                });
+}
+
+EngineBackend::EngineCall EngineBackend::alltoall_in_one(const std::vector<at::Tensor>& outputs,
+                                                         const std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  std::vector<at::Tensor> flat_inputs;
+  std::vector<int64_t> input_splits, output_splits;
+  for (const auto& t : inputs) {
+    flat_inputs.push_back(engine_bytes(t, "alltoall").reshape(-1));
+    input_splits.push_back(t.numel());
+  }
+  int64_t received = 0;
+  for (const auto& t : outputs) {
+    output_splits.push_back(t.numel());
+    received += t.numel();
+  }
+  auto in = at::cat(flat_inputs);
+  auto out = at::empty({received}, in.options());
+  auto work = cpu_engine("alltoall").alltoall_base(out, in, output_splits, input_splits, opts);
+  return {std::move(work), [outputs, out] {
+            at::NoGradGuard no_grad;  // receive buffers that require grad take it too
+            int64_t at = 0;
+            for (const auto& t : outputs) {
+              engine_bytes(t, "alltoall").copy_(out.narrow(0, at, t.numel()).view(t.sizes()));
+              at += t.numel();
+            }
+          }};
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,

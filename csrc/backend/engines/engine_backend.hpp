@@ -152,6 +152,11 @@ class EngineBackend : public c10d::Backend {
   // and waits for it.
   c10::intrusive_ptr<c10d::Work> agreed_on_queue(c10d::OpType type, std::vector<at::Tensor> outputs, CallTerms terms,
                                                  const char* op, bool async_op, std::function<void()> run);
+  // A list all-to-all of CPU tensors, which gloo's takes of one size only (NCCL's and hca's own
+  // algorithms', any): through gloo's all_to_all_single, the inputs in one tensor with each one's
+  // elements as its split, and the results copied into the outputs after.
+  EngineCall alltoall_in_one(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                             const c10d::AllToAllOptions& opts);
   // The TypeError for a CPU tensor of a dtype gloo does not move, raised on the caller's thread.
   static void check_engine_dtypes(const CommsCall& call, const char* op);
   // Before an engine gets a call on `tensors` (on this thread, at once): on a CUDA device,
