@@ -222,7 +222,9 @@ def shaped_wholes(rank, world, group=None):
     """all_gather_into_tensor and reduce_scatter_tensor (alone and coalesced) with the whole tensor
     shaped as torch documents and NCCL takes it: stacked (ranks, *part), flat, or of any shape with
     `world` parts' elements, the parts one after another in memory (gloo takes only the parts
-    stacked along the first dimension); every element against the inputs or a float64 reference."""
+    stacked along the first dimension); the list forms (all_gather, gather, scatter, reduce_scatter)
+    with tensors of their slots' elements in other shapes (gloo checks shapes). Every element
+    against the inputs or a float64 reference."""
     errors = []
     parts = [make_input(960, r, 6, torch.float32, "SUM").view(2, 3) for r in range(world)]
     gathered = torch.cat([p.reshape(-1) for p in parts])
@@ -243,20 +245,46 @@ def shaped_wholes(rank, world, group=None):
         reduce_scatter_single(scattered, wholes[rank].view(world, 2, 3), group=group)
     errors.append(mismatch("coalesced all_gather_into_tensor stacked", stacked.reshape(-1), gathered, world))
     errors.append(mismatch("coalesced reduce_scatter_tensor stacked", scattered, total, world))
+    # The list forms, each tensor of its slot's elements in another shape
+    outs = [torch.zeros(6) for _ in range(world)]
+    dist.all_gather(outs, parts[rank], group=group)
+    errors += [mismatch(f"all_gather slot {r}, flat", outs[r], parts[r].reshape(-1), world) for r in range(world)]
+    root = world - 1
+    outs = [torch.zeros(3, 2) for _ in range(world)] if rank == root else None
+    dist.gather(parts[rank], outs, dst=root, group=group)
+    if rank == root:
+        errors += [mismatch(f"gather slot {r}, (3, 2)", outs[r].reshape(-1), parts[r].reshape(-1), world)
+                   for r in range(world)]
+    out = torch.zeros(6)
+    dist.scatter(out, [p.t() for p in parts] if rank == root else None, src=root, group=group)
+    errors.append(mismatch("scatter into a flat tensor", out, parts[rank].t().reshape(-1), world))
+    out = torch.zeros(6)
+    dist.reduce_scatter(out, [w.view(2, 3) for w in wholes[rank].chunk(world)], group=group)
+    errors.append(mismatch("reduce_scatter into a flat tensor", out, total.reshape(-1), world))
     return [e for e in errors if e]
 
 
 def all_to_all_of_any_sizes(rank, world, group=None):
     """all_to_all's list form with a tensor of its own size (and shape) for each pair of ranks, as NCCL
-    takes it (gloo's takes one size only), non-contiguous outputs too: every element against the
-    senders' inputs."""
+    takes it (gloo's takes one size only), non-contiguous outputs too; all_to_all_single whose input
+    and output rows differ in shape. Every element against the senders' inputs."""
     def part(src, dst):  # what rank `src` sends to rank `dst`
         return make_input(962, src * world + dst, (src + 2 * dst + 1) * 3, torch.float64, "SUM").view(-1, 3)
 
     outputs = [torch.zeros(3, part(src, rank).shape[0], dtype=torch.float64).t() for src in range(world)]  # views
     dist.all_to_all(outputs, [part(rank, dst) for dst in range(world)], group=group)
-    return [e for e in (mismatch(f"all_to_all from rank {src}", outputs[src], part(src, rank), world)
-                        for src in range(world)) if e]
+    errors = [mismatch(f"all_to_all from rank {src}", outputs[src], part(src, rank), world) for src in range(world)]
+    # all_to_all_single whose input and output rows differ in shape: rows of 3 elements out, of 6 in
+    single = [make_input(963, r, world * 6, torch.float32, "SUM") for r in range(world)]
+    out = torch.zeros(world, 6)
+    dist.all_to_all_single(out, single[rank].view(2 * world, 3), group=group)
+    errors.append(mismatch("all_to_all_single, rows of other shapes", out.reshape(-1),
+                           torch.cat([single[src][rank * 6:(rank + 1) * 6] for src in range(world)]), world))
+    out = torch.zeros(world, 6)  # the same in rows given as splits: 2 rows of 3 out to each rank, 1 of 6 in
+    dist.all_to_all_single(out, single[rank].view(2 * world, 3), [1] * world, [2] * world, group=group)
+    errors.append(mismatch("all_to_all_single with splits, rows of other shapes", out.reshape(-1),
+                           torch.cat([single[src][rank * 6:(rank + 1) * 6] for src in range(world)]), world))
+    return [e for e in errors if e]
 
 
 def empty_tensors(rank, world, group=None):
@@ -328,6 +356,12 @@ def mismatched_calls(rank, world, odd_ranks, staged=(), group=None):
                                                       group=group),
         "gather": lambda: dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == 0 else None,
                                       dst=0, group=group),
+        "gather into a list that does not fit, on its root": lambda: dist.gather(
+            torch.ones(4), [torch.empty(5) for _ in range(world)] if rank == odd_ranks[0] else None,
+            dst=odd_ranks[0], group=group),
+        "scatter from a list that does not fit, on its root": lambda: dist.scatter(
+            torch.empty(4), [torch.ones(5) for _ in range(world)] if rank == odd_ranks[0] else None,
+            src=odd_ranks[0], group=group),
         "scatter": lambda: dist.scatter(torch.empty(n), [torch.ones(n) for _ in range(world)] if rank == 0 else None,
                                         src=0, group=group),
         "all_to_all_single with splits that do not pair up": lambda: dist.all_to_all_single(

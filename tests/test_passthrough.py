@@ -193,14 +193,16 @@ def _refused_before_the_engine(rank, world):
                          }.items():
             msgs[f"{call} {op} float32"] = (raises(fn, ValueError), f"ReduceOp.{op} is not supported for float32")
     for call, fn, expected in (  # as hca's own algorithms name them, at the call (gloo: its own RuntimeError)
-            ("all_gather_single of the wrong size", lambda: all_gather_single(torch.zeros(world * 6 + 1), torch.ones(6)),
+            ("all_gather_single of the wrong size",
+             lambda: all_gather_single(torch.zeros(world * 6 + 1), torch.ones(6)),
              f"the output has {world * 6 + 1} elements, expected {world * 6}"),
             ("reduce_scatter_single of the wrong size", lambda: reduce_scatter_single(torch.zeros(6), torch.ones(5)),
              f"the input has 5 elements, expected {world * 6}")):
         msgs[call] = (raises(fn, ValueError), expected)
     msgs["all_to_all of two dtypes"] = (  # the group's own call: torch's all_to_all checks dtypes first
-        raises(lambda: dist.group.WORLD.alltoall([torch.zeros(2, dtype=torch.float64)] * world, [torch.ones(2)] * world),
-               TypeError), "an output tensor has dtype Double but the first input has Float")
+        raises(lambda: dist.group.WORLD.alltoall([torch.zeros(2, dtype=torch.float64)] * world,
+                                                 [torch.ones(2)] * world), TypeError),
+        "an output tensor has dtype Double but the first input has Float")
     if world > 1:  # gloo refuses it (hca's own algorithms and NCCL take it): named once the ranks agree
         msgs["all_gather into slots of different sizes"] = (
             raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(rank + 1)),

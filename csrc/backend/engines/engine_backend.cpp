@@ -22,7 +22,29 @@ std::vector<std::vector<at::Tensor>> each_of(const std::vector<std::vector<at::T
   return mapped;
 }
 
+// A gather's or scatter's list, which only its root passes: "" where it holds one tensor per
+// rank of `like`'s dtype and size (every rank's call says that much), else its text, so that
+// the root's call differs from the others' and every rank raises: gloo would refuse the list on
+// the root alone, and the other ranks would wait for the root until their timeout.
+std::string root_list_text(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like, int size) {
+  bool fits = lists.size() == 1 && static_cast<int>(lists[0].size()) == size;
+  for (const auto& list : lists) {
+    for (const auto& t : list) fits = fits && t.scalar_type() == like.scalar_type() && t.numel() == like.numel();
+  }
+  return fits ? "" : ", the list " + tensors_text(flattened(lists));
+}
+
 }  // namespace
+
+at::Tensor flat_for_gloo(const at::Tensor& tensor) { return tensor.is_cpu() ? tensor.view(-1) : tensor; }
+
+std::vector<at::Tensor> flat_for_gloo(const std::vector<at::Tensor>& tensors) {
+  return each_of(tensors, [](const at::Tensor& t) { return flat_for_gloo(t); });
+}
+
+std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector<at::Tensor>>& lists) {
+  return each_of(lists, [](const at::Tensor& t) { return flat_for_gloo(t); });
+}
 
 at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
   if (!tensor.defined()) return tensor;
@@ -229,12 +251,14 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
-  CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) + ")"};
+  const bool root = opts.rootRank == getRank();
+  CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) +
+                  (root ? root_list_text(outputs, inputs[0], getSize()) : "") + ")"};
   return issue("gather", {"gather", inputs, flattened(outputs)}, c10d::OpType::GATHER, std::move(terms), opts.asyncOp,
                [this, outputs, inputs, opts] {
                  EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "gather");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "gather");
+                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "gather"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "gather"));
                  return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), std::move(written));
                });
 }
@@ -243,12 +267,14 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
-  CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) + ")"};
+  const bool root = opts.rootRank == getRank();
+  CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) +
+                  (root ? root_list_text(inputs, outputs[0], getSize()) : "") + ")"};
   return issue("scatter", {"scatter", flattened(inputs), outputs}, c10d::OpType::SCATTER, std::move(terms),
                opts.asyncOp, [this, outputs, inputs, opts] {
                  EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "scatter");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "scatter");
+                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "scatter"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "scatter"));
                  return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), std::move(written));
                });
 }

@@ -56,6 +56,15 @@ class EngineTensors {
   std::vector<std::pair<at::Tensor, at::Tensor>> back_;  // (the caller's, the engine's)
 };
 
+// gloo checks the shapes of a call's tensors where NCCL and hca's own algorithms take any shape
+// of the right size (an all-gather's whole shaped (ranks, *part) or flat, a gather list of
+// (2, 3) tensors for parts of 6 elements): so CPU tensors, which go to gloo, go flat, once
+// their sizes are checked or agreed on; they are dense by then (EngineTensors). CUDA tensors
+// go as they are.
+at::Tensor flat_for_gloo(const at::Tensor& tensor);
+std::vector<at::Tensor> flat_for_gloo(const std::vector<at::Tensor>& tensors);
+std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector<at::Tensor>>& lists);
+
 // Before a reduction reaches a stock engine, hca's own errors. CPU tensors (to
 // gloo): a TypeError for a dtype gloo cannot reduce (float8, int16, ...), a
 // ValueError for AVG on integers (gloo sums, then fails to divide, and leaves

@@ -53,17 +53,6 @@ void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<
   }
 }
 
-// gloo takes the ranks' parts of a whole stacked along its first dimension only, and checks
-// the shapes so: it refuses a whole shaped (ranks, *part) or flat. NCCL and hca's own
-// algorithms take any shape of the right size, the parts one after another in memory. So
-// gloo gets the tensors flat (they are dense by now: EngineTensors).
-std::vector<at::Tensor> flat_for_gloo(std::vector<at::Tensor> tensors) {
-  for (auto& t : tensors) {
-    if (t.is_cpu()) t = t.view(-1);
-  }
-  return tensors;
-}
-
 }  // namespace
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
@@ -185,8 +174,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
                opts.asyncOp, [this, outputs, inputs, opts] {
                  if (inputs[0].is_cpu()) check_one_size_for_gloo(flattened(outputs));
                  EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "allgather");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather");
+                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
                });
 }
@@ -198,8 +187,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& o
   return issue("allgather_into_tensor", {"_allgather_base", {input}, {output}}, c10d::OpType::_ALLGATHER_BASE,
                std::move(terms), opts.asyncOp, [this, output, input, opts] {
                  EngineTensors written;
-                 auto out = flat_for_gloo({engine_bytes(written.output(output), "allgather_into_tensor")})[0];
-                 auto in = flat_for_gloo({engine_bytes(EngineTensors::input(input), "allgather_into_tensor")})[0];
+                 auto out = flat_for_gloo(engine_bytes(written.output(output), "allgather_into_tensor"));
+                 auto in = flat_for_gloo(engine_bytes(EngineTensors::input(input), "allgather_into_tensor"));
                  return written_back(engine(input, "allgather_into_tensor")._allgather_base(out, in, opts),
                                      std::move(written));
                });
@@ -235,8 +224,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
   return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
                reduce_scatter_terms(flat_inputs, own, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
-                 auto outs = written.outputs(outputs);
-                 auto ins = EngineTensors::inputs(inputs);
+                 auto outs = flat_for_gloo(written.outputs(outputs));
+                 auto ins = flat_for_gloo(EngineTensors::inputs(inputs));
                  return scaled_after(
                      engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
                      std::move(written));
@@ -252,8 +241,8 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
                reduce_scatter_terms({input}, tensors_text({output}), opts), opts.asyncOp,
                [this, output, input, opts, scale] {
                  EngineTensors written;
-                 auto out = flat_for_gloo({written.output(output)})[0];
-                 auto in = flat_for_gloo({EngineTensors::input(input)})[0];
+                 auto out = flat_for_gloo(written.output(output));
+                 auto in = flat_for_gloo(EngineTensors::input(input));
                  return scaled_after(
                      engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
                      {out}, scale, std::move(written));
