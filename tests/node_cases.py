@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -222,9 +223,9 @@ def shaped_wholes(rank, world, group=None):
     """all_gather_into_tensor and reduce_scatter_tensor (alone and coalesced) with the whole tensor
     shaped as torch documents and NCCL takes it: stacked (ranks, *part), flat, or of any shape with
     `world` parts' elements, the parts one after another in memory (gloo takes only the parts
-    stacked along the first dimension); the list forms (all_gather, gather, scatter, reduce_scatter)
-    with tensors of their slots' elements in other shapes (gloo checks shapes). Every element
-    against the inputs or a float64 reference."""
+    stacked along the first dimension); the list forms (all_gather, all_gather_coalesced, gather,
+    scatter, reduce_scatter) with tensors of their slots' elements in other shapes (gloo checks
+    shapes). Every element against the inputs or a float64 reference."""
     errors = []
     parts = [make_input(960, r, 6, torch.float32, "SUM").view(2, 3) for r in range(world)]
     gathered = torch.cat([p.reshape(-1) for p in parts])
@@ -258,6 +259,14 @@ def shaped_wholes(rank, world, group=None):
     out = torch.zeros(6)
     dist.scatter(out, [p.t() for p in parts] if rank == root else None, src=root, group=group)
     errors.append(mismatch("scatter into a flat tensor", out, parts[rank].t().reshape(-1), world))
+    lists = [[torch.zeros(3, 2), torch.zeros(6)] for _ in range(world)]
+    with warnings.catch_warnings():  # all_gather_coalesced is deprecated, and still carried
+        warnings.simplefilter("ignore")
+        dist.all_gather_coalesced(lists, [parts[rank], parts[rank].t()], group=group)
+    for r in range(world):
+        errors.append(mismatch(f"all_gather_coalesced slot {r}, (3, 2)", lists[r][0].reshape(-1),
+                               parts[r].reshape(-1), world))
+        errors.append(mismatch(f"all_gather_coalesced slot {r}, flat", lists[r][1], parts[r].t().reshape(-1), world))
     out = torch.zeros(6)
     dist.reduce_scatter(out, [w.view(2, 3) for w in wholes[rank].chunk(world)], group=group)
     errors.append(mismatch("reduce_scatter into a flat tensor", out, total.reshape(-1), world))

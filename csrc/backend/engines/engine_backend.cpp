@@ -380,8 +380,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<st
   return issue("allgather_coalesced", {"allgather_coalesced", inputs, flattened(outputs)},
                c10d::OpType::ALLGATHER_COALESCED, std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
                  EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "allgather_coalesced");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced");
+                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather_coalesced"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced"));
                  return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
                                      std::move(written));
                });
