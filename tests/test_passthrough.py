@@ -81,6 +81,14 @@ def _forwarded(rank, world):
         dist.reduce_scatter(out, slots[rank], op=OPS[op])
         errors.append(mismatch(f"reduce_scatter {op}, slots of different sizes", out,
                                reduce_reference([slots[q][rank] for q in range(world)], op), world))
+    # An all_gather into slots of different sizes (gloo's refuses them): async, and in place
+    mine = [make_input(13, r, 2 * r + 1, torch.float32, "SUM") for r in range(world)]
+    outs = [torch.zeros(2 * r + 1) for r in range(world)]
+    dist.all_gather(outs, mine[rank], async_op=True).wait()
+    errors += [mismatch(f"all_gather slot {r} of {2 * r + 1}", outs[r], mine[r], world) for r in range(world)]
+    outs = [mine[r].clone() if r == rank else torch.zeros(2 * r + 1) for r in range(world)]
+    dist.all_gather(outs, outs[rank])
+    errors += [mismatch(f"all_gather in place, slot {r}", outs[r], mine[r], world) for r in range(world)]
     for dst in range(world):  # a non-root's tensor stays as given, as with NCCL (gloo wrote in it)
         t = inputs[rank].clone()
         dist.reduce(t, dst=dst)
@@ -203,10 +211,10 @@ def _refused_before_the_engine(rank, world):
         raises(lambda: dist.group.WORLD.alltoall([torch.zeros(2, dtype=torch.float64)] * world,
                                                  [torch.ones(2)] * world), TypeError),
         "an output tensor has dtype Double but the first input has Float")
-    if world > 1:  # gloo refuses it (hca's own algorithms and NCCL take it): named once the ranks agree
-        msgs["all_gather into slots of different sizes"] = (
-            raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(rank + 1)),
-                   ValueError), "output tensors of 1 and 2 elements: gloo, which carries this group's CPU calls")
+    if world > 1:  # slots of different sizes, every rank's input fitting none (so the ranks agree on the call)
+        msgs["all_gather of inputs that fit no slot"] = (
+            raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(world + 1)),
+                   ValueError), f"this rank's input has {world + 1} elements but its output tensor {rank + 1}")
     own = torch.ones(3)  # gloo would fail with "Pair is not connected"
     for call, fn in {"isend to itself": lambda: dist.isend(own, rank),
                      "irecv from itself": lambda: dist.irecv(own, rank)}.items():

@@ -30,14 +30,12 @@ std::string own_slot_text(const at::Tensor& own, const std::vector<at::Tensor>& 
   return fits ? "its slot" : tensors_text({own});
 }
 
-// ValueError for an all_gather into tensors of different sizes, which gloo refuses (NCCL and
-// hca's own algorithms take them); raised once the ranks agree on the call, so every rank does.
-void check_one_size_for_gloo(const std::vector<at::Tensor>& outputs) {
-  for (const auto& t : outputs) {
-    TORCH_CHECK_VALUE(t.numel() == outputs[0].numel(), "hca allgather: output tensors of ", outputs[0].numel(),
-                      " and ", t.numel(), " elements: gloo, which carries this group's CPU calls "
-                      "(algorithm=\"nccl\"), gathers tensors of one size only; hca's own algorithms take them");
+// Whether `tensors` are all of one size.
+bool one_size(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.numel() != tensors[0].numel()) return false;
   }
+  return true;
 }
 
 // The tensor forms checked as hca's own algorithms check them, at the call: as many wholes
@@ -171,13 +169,39 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
   CallTerms terms{"all_gather(" + (one_list ? own_slot_text(inputs[0], outputs[0], getRank()) : tensors_text(inputs)) +
                   " -> " + tensors_text(flat_outputs) + ")"};
   return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
-               opts.asyncOp, [this, outputs, inputs, opts] {
-                 if (inputs[0].is_cpu()) check_one_size_for_gloo(flattened(outputs));
+               opts.asyncOp, [this, outputs, inputs, opts, one_list] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather"));
                  auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
+                 if (one_list && ins[0].is_cpu() && static_cast<int>(outs[0].size()) == getSize() &&
+                     !one_size(outs[0])) {
+                   return allgather_by_broadcasts(outs[0], ins[0], std::move(written));
+                 }
                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
                });
+}
+
+EngineBackend::EngineCall PassthroughBackend::allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input,
+                                                                      EngineTensors written) {
+  const int rank = getRank();
+  // Every rank's input misfits alike where the ranks agreed on a misfit (see own_slot_text): so
+  // every rank raises, before gloo would get a message longer than a slot (it aborts the process).
+  TORCH_CHECK_VALUE(input.numel() == slots[rank].numel(), "hca allgather: this rank's input has ", input.numel(),
+                    " elements but its output tensor ", slots[rank].numel());
+  auto& gloo = cpu_engine("allgather");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (int r = 0; r < getSize(); ++r) {
+    if (last) last->wait();
+    std::vector<at::Tensor> one{r == rank ? input : slots[r]};
+    c10d::BroadcastOptions from;
+    from.rootRank = r;
+    last = gloo.broadcast(one, from);
+  }
+  return {std::move(last), [slots, input, rank, written = std::move(written)] {
+            at::NoGradGuard no_grad;  // outputs that require grad take it too
+            slots[rank].copy_(input);
+            written.write_back();
+          }};
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::_allgather_base(at::Tensor& output, at::Tensor& input,

@@ -43,6 +43,10 @@ class PassthroughBackend : public EngineBackend {
   // copies that `written` writes back), then the scale where there is one, then the write-back.
   static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
                                  const std::optional<PremulFactor>& scale, EngineTensors written);
+  // An all_gather into slots of different sizes on CPU tensors (dense, flat: `slots`, `input`),
+  // which gloo's all_gather refuses: a gloo broadcast from each rank in turn into its slot, as
+  // NCCL gathers such slots; this rank's input is copied into its own slot after.
+  EngineCall allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input, EngineTensors written);
   // What the ranks of a reduce-scatter agree on (`outputs`: their text).
   static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
                                         const c10d::ReduceScatterOptions& opts);
