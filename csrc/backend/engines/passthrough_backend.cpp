@@ -175,13 +175,14 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather(std::vector<std::ve
                  auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
                  if (one_list && ins[0].is_cpu() && static_cast<int>(outs[0].size()) == getSize() &&
                      !one_size(outs[0])) {
-                   return allgather_by_broadcasts(outs[0], ins[0], std::move(written));
+                   return allgather_by_broadcasts(outs[0], ins[0], opts.timeout, std::move(written));
                  }
                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
                });
 }
 
 EngineBackend::EngineCall PassthroughBackend::allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input,
+                                                                      std::chrono::milliseconds timeout,
                                                                       EngineTensors written) {
   const int rank = getRank();
   // Every rank's input misfits alike where the ranks agreed on a misfit (see own_slot_text): so
@@ -195,6 +196,7 @@ EngineBackend::EngineCall PassthroughBackend::allgather_by_broadcasts(std::vecto
     std::vector<at::Tensor> one{r == rank ? input : slots[r]};
     c10d::BroadcastOptions from;
     from.rootRank = r;
+    from.timeout = timeout;
     last = gloo.broadcast(one, from);
   }
   return {std::move(last), [slots, input, rank, written = std::move(written)] {

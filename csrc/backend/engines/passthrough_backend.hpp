@@ -45,8 +45,9 @@ class PassthroughBackend : public EngineBackend {
                                  const std::optional<PremulFactor>& scale, EngineTensors written);
   // An all_gather into slots of different sizes on CPU tensors (dense, flat: `slots`, `input`),
   // which gloo's all_gather refuses: a gloo broadcast from each rank in turn into its slot, as
-  // NCCL gathers such slots; this rank's input is copied into its own slot after.
-  EngineCall allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input, EngineTensors written);
+  // NCCL gathers such slots; this rank's input is copied into its own slot after. `timeout`: the call's.
+  EngineCall allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input,
+                                     std::chrono::milliseconds timeout, EngineTensors written);
   // What the ranks of a reduce-scatter agree on (`outputs`: their text).
   static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
                                         const c10d::ReduceScatterOptions& opts);
