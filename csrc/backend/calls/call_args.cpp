@@ -227,8 +227,18 @@ void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, cons
   TORCH_CHECK_VALUE(t.numel() == numel, "hca ", op, ": ", what, " has ", t.numel(), " elements, expected ", numel);
 }
 
-void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what, const char* like_what) const {
-  hca::check_like(original_[i], original_[like], numel, what, name_, like_what);
+void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
+                       const char* whole, const char* part, const char* op) {
+  TORCH_CHECK_VALUE(wholes.size() == parts.size(), "hca ", op, ": ", wholes.size(), " ", whole, "s for ",
+                    parts.size(), " ", part, "s");
+  const std::string the_whole = std::string("the ") + whole, the_part = std::string("the ") + part;
+  for (size_t i = 0; i < wholes.size(); ++i) {
+    check_like(wholes[i], parts[i], parts[i].numel() * size, the_whole.c_str(), op, the_part.c_str());
+  }
+}
+
+void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what) const {
+  hca::check_like(original_[i], original_[like], numel, what, name_);
 }
 
 void CallArgs::write_back() const {
@@ -268,10 +278,7 @@ CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std
                                int size) {
   CallArgs args = paired_args("allgather_into_tensor", outputs, inputs,
                               [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(in, out, rank); });
-  const size_t n = outputs.size();
-  for (size_t i = 0; i < n; ++i) {
-    args.check_like(i, n + i, static_cast<int64_t>(args.descs()[n + i].numel) * size, "the output");
-  }
+  check_tensor_form(outputs, inputs, size, "output", "input", "allgather_into_tensor");
   return args;
 }
 
@@ -279,10 +286,7 @@ CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, cons
                                     int rank, int size) {
   CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs,
                               [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(out, in, rank); });
-  const size_t n = outputs.size();
-  for (size_t i = 0; i < n; ++i) {
-    args.check_like(n + i, i, static_cast<int64_t>(args.descs()[i].numel) * size, "the input", "the output");
-  }
+  check_tensor_form(inputs, outputs, size, "input", "output", "reduce_scatter_tensor");
   return args;
 }
 

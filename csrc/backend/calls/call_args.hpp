@@ -72,7 +72,7 @@ class CallArgs {
   // Each of [first, first + count) read and written in place.
   std::vector<TensorSpan> in_place(size_t first, size_t count) const;
   // Checks tensor i against tensor `like`: same dtype, `numel` elements.
-  void check_like(size_t i, size_t like, int64_t numel, const char* what, const char* like_what = "the input") const;
+  void check_like(size_t i, size_t like, int64_t numel, const char* what) const;
   // Copies the dense results back into non-contiguous originals.
   void write_back() const;
   // Whether some tensor is a dense copy (write_back writes it).
@@ -111,6 +111,11 @@ void check_nonempty(size_t count, const char* what, const char* op);
 // `like_what`), ValueError where it has not `numel` elements.
 void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, const char* what, const char* op,
                 const char* like_what = "the input");
+// The tensor forms of all-gather and reduce-scatter: as many wholes (an all-gather's outputs,
+// a reduce-scatter's inputs: `whole`, "output") as parts (`part`), each whole of its part's
+// dtype and `size` times its elements. TypeError, ValueError naming call `op`.
+void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
+                       const char* whole, const char* part, const char* op);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);
 // The paired forms, output i for input i: as many outputs as inputs, at least

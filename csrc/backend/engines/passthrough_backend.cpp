@@ -38,19 +38,6 @@ bool one_size(const std::vector<at::Tensor>& tensors) {
   return true;
 }
 
-// The tensor forms checked as hca's own algorithms check them, at the call: as many wholes
-// (an all-gather's outputs, a reduce-scatter's inputs) as parts, each whole of its part's
-// dtype and `size` times its elements.
-void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
-                       const char* whole, const char* part, const char* op) {
-  TORCH_CHECK_VALUE(wholes.size() == parts.size(), "hca ", op, ": ", wholes.size(), " ", whole, "s for ",
-                    parts.size(), " ", part, "s");
-  const std::string the_whole = std::string("the ") + whole, the_part = std::string("the ") + part;
-  for (size_t i = 0; i < wholes.size(); ++i) {
-    check_like(wholes[i], parts[i], parts[i].numel() * size, the_whole.c_str(), op, the_part.c_str());
-  }
-}
-
 }  // namespace
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
