@@ -296,6 +296,59 @@ def all_to_all_of_any_sizes(rank, world, group=None):
     return [e for e in errors if e]
 
 
+def expanded_inputs(rank, world, group=None):
+    """Inputs whose elements share memory (expand(): a stride of 0), in every call that only reads
+    its input, as gloo takes them (hca's own algorithms refused them); every element against the
+    inputs or a float64 reference. An in-place call on such a view stays refused (test_collectives)."""
+    def expanded(case, src, rows):  # `rows` copies of one row of 3 elements, in the memory of that row
+        return make_input(case, src, 3, torch.float32, "SUM").view(1, 3).expand(rows, 3)
+
+    errors = []
+    root = world - 1
+    mine = expanded(970, rank, 2)
+    gathered = torch.cat([expanded(970, r, 2).reshape(-1) for r in range(world)])
+    outs = [torch.zeros(2, 3) for _ in range(world)]
+    dist.all_gather(outs, mine, group=group)
+    errors.append(mismatch("all_gather", torch.cat([o.reshape(-1) for o in outs]), gathered, world))
+    out = torch.zeros(world * 6)
+    all_gather_single(out, mine, group=group)
+    errors.append(mismatch("all_gather_into_tensor", out, gathered, world))
+    lists = [[torch.zeros(2, 3)] for _ in range(world)]
+    with warnings.catch_warnings():  # all_gather_coalesced is deprecated, and still carried
+        warnings.simplefilter("ignore")
+        dist.all_gather_coalesced(lists, [mine], group=group)
+    errors.append(mismatch("all_gather_coalesced", torch.cat([t[0].reshape(-1) for t in lists]), gathered, world))
+    outs = [torch.zeros(2, 3) for _ in range(world)] if rank == root else None
+    dist.gather(mine, outs, dst=root, group=group)
+    if rank == root:
+        errors.append(mismatch("gather", torch.cat([o.reshape(-1) for o in outs]), gathered, world))
+    out = torch.zeros(2, 3)
+    dist.scatter(out, [expanded(971, r, 2) for r in range(world)] if rank == root else None, src=root, group=group)
+    errors.append(mismatch("scatter", out, expanded(971, rank, 2), world))
+    wholes = [expanded(972, r, 2 * world) for r in range(world)]
+    out = torch.zeros(2 * world, 3)
+    dist.all_to_all_single(out, wholes[rank], group=group)
+    errors.append(mismatch("all_to_all_single", out, torch.cat([w[2 * rank:2 * rank + 2] for w in wholes]), world))
+    outs = [torch.zeros(2, 3) for _ in range(world)]
+    dist.all_to_all(outs, list(wholes[rank].split(2)), group=group)
+    errors += [mismatch(f"all_to_all from {r}", outs[r], wholes[r][2 * rank:2 * rank + 2], world) for r in range(world)]
+    part = reduce_reference(wholes, "SUM")[2 * rank:2 * rank + 2]
+    out = torch.zeros(2, 3)
+    reduce_scatter_single(out, wholes[rank], group=group)
+    errors.append(mismatch("reduce_scatter_tensor", out, part, world))
+    out = torch.zeros(2, 3)
+    dist.reduce_scatter(out, list(wholes[rank].split(2)), group=group)
+    errors.append(mismatch("reduce_scatter", out, part, world))
+    if world > 1:
+        got = torch.zeros(2, 3)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, (rank + 1) % world, group),
+                                        dist.P2POp(dist.irecv, got, (rank - 1) % world, group)])
+        for work in works:
+            work.wait()
+        errors.append(mismatch("send", got, expanded(970, (rank - 1) % world, 2), world))
+    return [e for e in errors if e]
+
+
 def empty_tensors(rank, world, group=None):
     """Every operation on tensors of no elements (an FSDP shard, a DDP bucket of unused parameters
     can be empty), then an all_reduce that must still be right: a failing stage would have broken

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from node_cases import all_to_all_of_any_sizes, shaped_wholes
+from node_cases import all_to_all_of_any_sizes, expanded_inputs, shaped_wholes
 from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
@@ -565,3 +565,9 @@ def test_forms_that_nccl_takes_and_gloo_does_not(where):
     pass-through and across nodes gloo got them as given and refused them."""
     world = 4 if where == "2 nodes" else 3
     assert run_ranks(_forms_nccl_takes, world, **group_kind(where)) == [[]] * world
+
+
+@pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
+def test_inputs_whose_elements_share_memory(where):
+    world = 4 if where == "2 nodes" else 3
+    assert run_ranks(expanded_inputs, world, **group_kind(where)) == [[]] * world

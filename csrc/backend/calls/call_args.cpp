@@ -115,11 +115,14 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
     // Moved, not reduced, as uint8 (NCCL does the same); reduce_op() refuses them.
     const DType dtype = moved_as_bytes(t.scalar_type()) ? DType::U8 : plan_dtype(t.scalar_type(), name);
     descs_.push_back({dtype, static_cast<size_t>(t.numel())});
+    const size_t i = dense_.size();
+    const bool read_only = may_alias && may_alias(tensors, i, i);
     // Refused here, before any data moves: the write-back after the call could not store into it.
-    TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes, "hca ", name, ": tensor ", descs_.size() - 1,
+    TORCH_CHECK_VALUE(read_only || at::has_internal_overlap(t) != at::MemOverlap::Yes, "hca ", name, ": tensor ", i,
                       " of the call is a view whose elements share memory (expand(), a stride of 0): pass a "
                       "tensor of its own (.contiguous() or .clone())");
     dense_.push_back(t.is_contiguous() ? t : t.contiguous());
+    written_.push_back(!read_only && !dense_.back().is_same(t));
   }
   check_own_memory(name, tensors, may_alias);
   if (!tensors.empty()) device_ = tensors[0].device();
@@ -172,7 +175,10 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
     factor_ = PremulFactor::of(op, name_, device_);
     for (size_t i = scaled->first; i < scaled->first + scaled->count; ++i) {
       // Allocated now, so that the plan addresses them; written in the call's turn.
-      if (scaled->copies) dense_[i] = at::empty_like(dense_[i], at::MemoryFormat::Contiguous);
+      if (scaled->copies) {
+        dense_[i] = at::empty_like(dense_[i], at::MemoryFormat::Contiguous);
+        written_[i] = false;  // the input stays the caller's
+      }
     }
     scaled_ = *scaled;
     return ReduceOp::Sum;
@@ -244,17 +250,11 @@ void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what
 void CallArgs::write_back() const {
   at::NoGradGuard no_grad;  // leaves that require grad (pipelining's receive buffers) take it too
   for (size_t i = 0; i < original_.size(); ++i) {
-    const bool scaled_copy = scaled_ && scaled_->copies && i >= scaled_->first && i < scaled_->first + scaled_->count;
-    if (!scaled_copy && !dense_[i].is_same(original_[i])) original_[i].copy_(dense_[i]);
+    if (written_[i]) original_[i].copy_(dense_[i]);
   }
 }
 
-bool CallArgs::copies() const {
-  for (size_t i = 0; i < original_.size(); ++i) {
-    if (!dense_[i].is_same(original_[i])) return true;
-  }
-  return false;
-}
+bool CallArgs::copies() const { return std::find(written_.begin(), written_.end(), true) != written_.end(); }
 
 namespace {
 
@@ -305,7 +305,8 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
   all.push_back(inputs[0]);
   const size_t input = list.size();
   CallArgs args("allgather", all, [input, rank](const std::vector<at::Tensor>& t, size_t i, size_t j) {
-    return j == input && i == static_cast<size_t>(rank) && is_chunk(t[j], t[i], 0) && t[i].numel() == t[j].numel();
+    return i == input ||
+           (j == input && i == static_cast<size_t>(rank) && is_chunk(t[j], t[i], 0) && t[i].numel() == t[j].numel());
   });
   for (size_t j = 0; j < list.size(); ++j) {
     const bool own = j == static_cast<size_t>(rank);  // the others may differ in size, as NCCL takes them
@@ -337,7 +338,8 @@ StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
   std::vector<at::Tensor> all{outputs[0]};
   all.insert(all.end(), inputs[0].begin(), inputs[0].end());
   // The inputs are copied before anything is written: they may share memory with anything.
-  const CallArgs checked("reduce_scatter", all, [](const std::vector<at::Tensor>&, size_t, size_t) { return true; });
+  const CallArgs checked("reduce_scatter", all,
+                         [](const std::vector<at::Tensor>&, size_t i, size_t j) { return i > 0 || j > 0; });
   for (size_t j = 1; j < all.size(); ++j) {
     // Input j is reduced into rank j's output: only this rank's must match it.
     const bool own = j == static_cast<size_t>(rank) + 1;

@@ -16,11 +16,12 @@
 
 namespace hca {
 
-// Whether tensors i < j of a call may share memory: the collective's in-place form.
+// Whether tensors i < j of a call may share memory: the collective's in-place form. Asked
+// with i == j: whether the call only reads tensor i, whose elements may then share memory
+// (an expand()ed input) and which is never written back.
 using MayAlias = std::function<bool(const std::vector<at::Tensor>& tensors, size_t i, size_t j)>;
 
-// Accepts pairs of read-only inputs (tensors from `first_input` on): reading one
-// tensor twice is harmless.
+// Tensors from `first_input` on are read-only inputs: reading memory twice is harmless.
 MayAlias inputs_from(size_t first_input);
 
 // The tensors [first, first + count) of a call that PREMUL_SUM multiplies: in
@@ -73,15 +74,16 @@ class CallArgs {
   std::vector<TensorSpan> in_place(size_t first, size_t count) const;
   // Checks tensor i against tensor `like`: same dtype, `numel` elements.
   void check_like(size_t i, size_t like, int64_t numel, const char* what) const;
-  // Copies the dense results back into non-contiguous originals.
+  // Copies the dense results back into non-contiguous originals (not into read-only inputs).
   void write_back() const;
-  // Whether some tensor is a dense copy (write_back writes it).
+  // Whether write_back writes some tensor.
   bool copies() const;
 
  private:
   const char* name_;
   at::Device device_{at::kCPU};
   std::vector<at::Tensor> original_, dense_;
+  std::vector<bool> written_;  // whether write_back writes each tensor: a copy the call may write
   std::vector<TensorDesc> descs_;
   // PREMUL_SUM's factor and the tensors it scales.
   c10::optional<Scaled> scaled_;

@@ -55,7 +55,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
     const char* role = type == c10d::OpType::SEND ? "dst" : "src";
     check_rank(peer, getSize(), role, op);
   }
-  CallArgs args(op, tensors);
+  CallArgs args(op, tensors, type == c10d::OpType::SEND ? inputs_from(0) : nullptr);
   CallStreams* streams = message_streams(args.device());
   TORCH_CHECK_NOT_IMPLEMENTED(args.device().is_cpu() || streams, "hca ", op, ": tensors on ", args.device(),
                               " are not supported by this build (it has no executor for ", args.device().type(), ")");
