@@ -9,6 +9,7 @@ CPU tensors only.
 """
 import glob
 import os
+import runpy
 import sys
 
 import torch
@@ -74,7 +75,8 @@ class BuildExtensionNamingItsTorch(BuildExtension):
                 f.write(torch.__version__ + "\n")
 
 
-VERSION = "0.1.0"
+HERE = os.path.dirname(os.path.abspath(__file__))
+VERSION = runpy.run_path(os.path.join(HERE, "torch_hca", "version.py"))["__version__"]
 # The wheel's name says which torch it was built for (a local version label, e.g.
 # 0.1.0+torch2.13.0.cpu): an extension runs only with the torch whose headers it was built from.
 LOCAL_LABEL = "torch" + torch.__version__.replace("+", ".")

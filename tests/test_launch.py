@@ -108,11 +108,12 @@ def test_the_build_recorded_the_running_torch():
 
 
 def test_the_package_version_names_the_torch_it_builds_against():
-    """`pip wheel .` names its wheel by this version: torch_hca-0.1.0+torch2.13.0.cpu-...whl."""
+    """`pip wheel .` names its wheel by this version: torch_hca-0.1.0+torch2.13.0.cpu-...whl, the
+    package's own (torch_hca.__version__) and a local label naming the torch."""
     out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "0.1.0+torch" + torch.__version__.replace("+", ".")
+    assert out.stdout.strip().splitlines()[-1] == torch_hca.__version__ + "+torch" + torch.__version__.replace("+", ".")
 
 
 def test_the_extension_keeps_a_static_cxx_runtime_to_itself():

@@ -16,10 +16,12 @@ from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce
 from .explain import NodePlan, Plan, explain
 from .options import Options
 from .topology import hierarchy
+from .version import __version__
 
 register()
 
 __all__ = [
+    "__version__",
     "BACKEND_NAME", "Options", "Plan", "NodePlan", "explain", "hierarchy", "batch_allreduce", "monitored_barrier", "create_backend", "node_identity",
     "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice",
 ]
