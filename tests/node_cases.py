@@ -349,6 +349,24 @@ def expanded_inputs(rank, world, group=None):
     return [e for e in errors if e]
 
 
+def views_exchanged_in_place(rank, world, group=None):
+    """all_to_all whose outputs are its inputs, non-contiguous views (gloo copies them; hca's own
+    algorithms read dense copies of them): the results stay, the inputs' copies are never written
+    back over them. all_to_all_single with one non-contiguous tensor as both (gloo refuses it)."""
+    def columns(src):  # `src`'s tensor: rows of 2, its first column viewed, 4 elements per rank
+        return make_input(975, src, world * 8, torch.float32, "SUM").view(world * 4, 2)
+
+    views = list(columns(rank)[:, 0].split(4))
+    dist.all_to_all(views, views, group=group)
+    errors = [mismatch(f"all_to_all in place from {r}", views[r], columns(r)[4 * rank:4 * rank + 4, 0], world)
+              for r in range(world)]
+    both = columns(rank)[:, 1]
+    dist.all_to_all_single(both, both, group=group)
+    errors.append(mismatch("all_to_all_single in place", both,
+                           torch.cat([columns(r)[4 * rank:4 * rank + 4, 1] for r in range(world)]), world))
+    return [e for e in errors if e]
+
+
 def empty_tensors(rank, world, group=None):
     """Every operation on tensors of no elements (an FSDP shard, a DDP bucket of unused parameters
     can be empty), then an all_reduce that must still be right: a failing stage would have broken

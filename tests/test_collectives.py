@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from node_cases import all_to_all_of_any_sizes, expanded_inputs, shaped_wholes
+from node_cases import all_to_all_of_any_sizes, expanded_inputs, shaped_wholes, views_exchanged_in_place
 from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
@@ -567,7 +567,13 @@ def test_forms_that_nccl_takes_and_gloo_does_not(where):
     assert run_ranks(_forms_nccl_takes, world, **group_kind(where)) == [[]] * world
 
 
+def _inputs_only_read(rank, world):
+    return expanded_inputs(rank, world) + views_exchanged_in_place(rank, world)
+
+
 @pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
-def test_inputs_whose_elements_share_memory(where):
+def test_inputs_the_call_only_reads(where):
+    """Inputs whose elements share memory, and inputs that are the outputs' views: read, never
+    written back."""
     world = 4 if where == "2 nodes" else 3
-    assert run_ranks(expanded_inputs, world, **group_kind(where)) == [[]] * world
+    assert run_ranks(_inputs_only_read, world, **group_kind(where)) == [[]] * world
