@@ -349,21 +349,79 @@ def expanded_inputs(rank, world, group=None):
     return [e for e in errors if e]
 
 
-def views_exchanged_in_place(rank, world, group=None):
-    """all_to_all whose outputs are its inputs, non-contiguous views (gloo copies them; hca's own
-    algorithms read dense copies of them): the results stay, the inputs' copies are never written
-    back over them. all_to_all_single with one non-contiguous tensor as both (gloo refuses it)."""
-    def columns(src):  # `src`'s tensor: rows of 2, its first column viewed, 4 elements per rank
-        return make_input(975, src, world * 8, torch.float32, "SUM").view(world * 4, 2)
+def exchanged_in_place(rank, world, group=None):
+    """all_to_all whose outputs are its inputs (the same tensors, or non-contiguous views of them),
+    and all_to_all_single with one tensor as both, or overlapping parts of one: each input read as
+    it was before anything is written (stock gloo computed all_to_all_single(t, t) wrong, silently;
+    hca's own algorithms refused the contiguous ones), the views' copies never written back over
+    the results. Every element against the senders' inputs."""
+    def rows(case, src):  # `src`'s tensor: rows of 2, 4 rows per rank
+        return make_input(case, src, world * 8, torch.float32, "SUM").view(world * 4, 2)
 
-    views = list(columns(rank)[:, 0].split(4))
-    dist.all_to_all(views, views, group=group)
-    errors = [mismatch(f"all_to_all in place from {r}", views[r], columns(r)[4 * rank:4 * rank + 4, 0], world)
-              for r in range(world)]
-    both = columns(rank)[:, 1]
-    dist.all_to_all_single(both, both, group=group)
-    errors.append(mismatch("all_to_all_single in place", both,
-                           torch.cat([columns(r)[4 * rank:4 * rank + 4, 1] for r in range(world)]), world))
+    errors = []
+    for case, name, lists in ((975, "tensors", lambda t: list(t[:, 0].contiguous().split(4))),
+                              (976, "views", lambda t: list(t[:, 0].split(4)))):
+        tensors = lists(rows(case, rank))
+        dist.all_to_all(tensors, tensors, group=group)
+        errors += [mismatch(f"all_to_all in place, {name}, from {r}", tensors[r],
+                            rows(case, r)[4 * rank:4 * rank + 4, 0], world) for r in range(world)]
+    for case, name, given in ((977, "tensor", lambda t: t[:, 1].contiguous()), (978, "view", lambda t: t[:, 1])):
+        both = given(rows(case, rank))
+        dist.all_to_all_single(both, both, group=group)
+        errors.append(mismatch(f"all_to_all_single in place, {name}", both,
+                               torch.cat([rows(case, r)[4 * rank:4 * rank + 4, 1] for r in range(world)]), world))
+    buffer = rows(979, rank).reshape(-1)  # the output's first half of the input's second, and beyond
+    output, source = buffer[:world * 4], buffer[world * 2:world * 6]
+    want = torch.cat([rows(979, r).reshape(-1)[world * 2 + 4 * rank:world * 2 + 4 * rank + 4] for r in range(world)])
+    dist.all_to_all_single(output, source, group=group)
+    errors.append(mismatch("all_to_all_single into a part of its input", output, want, world))
+    return [e for e in errors if e]
+
+
+def inputs_among_outputs(rank, world, group=None):
+    """Calls whose input is one of their outputs, or whose output is one of their inputs: a root
+    gathering from, or scattering into, a tensor of its own list (its own slot, or another rank's),
+    all_gather and all_gather_coalesced from a tensor of their outputs, reduce_scatter into one of
+    its inputs. Each input is read as it was before anything is written (stock gloo scattered the
+    root's list after writing into it, and reduced the list after writing into one of its
+    tensors: wrong, silently; hca's own algorithms refused all but the last). Every element
+    against the inputs or a float64 reference."""
+    def part(case, src, k=0):
+        return make_input(case, src * world + k, 5, torch.float32, "SUM")
+
+    errors = []
+    for root in range(world):
+        for slot in sorted({root, (root + 1) % world}):  # the root's own slot, and another's
+            case = 980 + slot
+            if rank == root:
+                outs = [torch.zeros(5) for _ in range(world)]
+                outs[slot].copy_(part(case, rank))
+                dist.gather(outs[slot], outs, dst=root, group=group)
+                errors += [mismatch(f"gather to {root} from slot {slot}, part {r}", outs[r], part(case, r), world)
+                           for r in range(world)]
+            else:
+                dist.gather(part(case, rank), None, dst=root, group=group)
+            ins = [part(case + 10, root, r) for r in range(world)] if rank == root else None
+            out = ins[slot] if rank == root else torch.zeros(5)
+            dist.scatter(out, ins, src=root, group=group)
+            errors.append(mismatch(f"scatter from {root} into slot {slot}", out, part(case + 10, root, rank), world))
+    outs = [torch.zeros(5) for _ in range(world)]
+    other = (rank + 1) % world
+    outs[other].copy_(part(990, rank))
+    dist.all_gather(outs, outs[other], group=group)
+    errors += [mismatch(f"all_gather from slot {other}, part {r}", outs[r], part(990, r), world) for r in range(world)]
+    lists = [[torch.zeros(5)] for _ in range(world)]
+    lists[rank][0].copy_(part(991, rank))
+    with warnings.catch_warnings():  # all_gather_coalesced is deprecated, and still carried
+        warnings.simplefilter("ignore")
+        dist.all_gather_coalesced(lists, [lists[rank][0]], group=group)
+    errors += [mismatch(f"all_gather_coalesced in place, part {r}", lists[r][0], part(991, r), world)
+               for r in range(world)]
+    for slot in sorted({rank, other}):
+        ins = [part(992, rank, k) for k in range(world)]
+        dist.reduce_scatter(ins[slot], ins, group=group)
+        want = reduce_reference([part(992, r, rank) for r in range(world)], "SUM")
+        errors.append(mismatch(f"reduce_scatter into input {slot}", ins[slot], want, world))
     return [e for e in errors if e]
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from node_cases import all_to_all_of_any_sizes, expanded_inputs, shaped_wholes, views_exchanged_in_place
+from node_cases import (all_to_all_of_any_sizes, exchanged_in_place, expanded_inputs, inputs_among_outputs,
+                        shaped_wholes)
 from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import (DTYPES, FLOATS, MOVED_ONLY, OPS, all_gather_single, make_input,
                        mismatch, rank_device, reduce_reference, reduce_scatter_single, supported)
@@ -568,12 +569,12 @@ def test_forms_that_nccl_takes_and_gloo_does_not(where):
 
 
 def _inputs_only_read(rank, world):
-    return expanded_inputs(rank, world) + views_exchanged_in_place(rank, world)
+    return expanded_inputs(rank, world) + exchanged_in_place(rank, world) + inputs_among_outputs(rank, world)
 
 
 @pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
 def test_inputs_the_call_only_reads(where):
-    """Inputs whose elements share memory, and inputs that are the outputs' views: read, never
-    written back."""
+    """Inputs whose elements share memory, all-to-alls in place, inputs among the outputs: inputs read
+    as they were before the call wrote anything, never written back."""
     world = 4 if where == "2 nodes" else 3
     assert run_ranks(_inputs_only_read, world, **group_kind(where)) == [[]] * world

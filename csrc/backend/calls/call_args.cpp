@@ -98,6 +98,31 @@ void check_rank(int64_t rank, int size, const char* what, const char* op) {
                     " ranks");
 }
 
+at::Tensor apart_from(const at::Tensor& input, const std::vector<at::Tensor>& outputs) {
+  auto dense = [](const at::Tensor& t) { return t.defined() && t.layout() == at::kStrided; };  // others: refused later
+  if (!dense(input)) return input;
+  for (const auto& out : outputs) {
+    if (!dense(out)) continue;
+    const auto overlap = at::get_overlap_status(input, out);
+    // TooHard: a view that is not dense, which the call reads or writes through a dense copy anyway
+    if (overlap == at::MemOverlapStatus::Full || overlap == at::MemOverlapStatus::Partial) return input.clone();
+  }
+  return input;
+}
+
+std::vector<at::Tensor> apart_from(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> apart;
+  for (const auto& input : inputs) apart.push_back(apart_from(input, outputs));
+  return apart;
+}
+
+std::vector<std::vector<at::Tensor>> apart_from(const std::vector<std::vector<at::Tensor>>& lists,
+                                                const std::vector<at::Tensor>& outputs) {
+  std::vector<std::vector<at::Tensor>> apart;
+  for (const auto& list : lists) apart.push_back(apart_from(list, outputs));
+  return apart;
+}
+
 char* byte_offset(const at::Tensor& t, int64_t elements) {
   return static_cast<char*>(t.data_ptr()) + elements * static_cast<int64_t>(t.element_size());
 }
@@ -301,12 +326,16 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
   auto& list = outputs[0];
   TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "hca allgather: the output list has ", list.size(),
                     " tensors, expected one per rank (", size, ")");
+  // In place where the input is this rank's own output; elsewhere an input that shares memory
+  // with an output is read from a copy.
+  const at::Tensor& own = list[rank];
+  const bool in_place = own.defined() && inputs[0].defined() && is_chunk(inputs[0], own, 0) &&
+                        own.numel() == inputs[0].numel();
   std::vector<at::Tensor> all = list;
-  all.push_back(inputs[0]);
+  all.push_back(in_place ? inputs[0] : apart_from(inputs[0], list));
   const size_t input = list.size();
-  CallArgs args("allgather", all, [input, rank](const std::vector<at::Tensor>& t, size_t i, size_t j) {
-    return i == input ||
-           (j == input && i == static_cast<size_t>(rank) && is_chunk(t[j], t[i], 0) && t[i].numel() == t[j].numel());
+  CallArgs args("allgather", all, [input, rank, in_place](const std::vector<at::Tensor>&, size_t i, size_t j) {
+    return i == input || (in_place && j == input && i == static_cast<size_t>(rank));
   });
   for (size_t j = 0; j < list.size(); ++j) {
     const bool own = j == static_cast<size_t>(rank);  // the others may differ in size, as NCCL takes them

@@ -118,6 +118,14 @@ void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, cons
 // dtype and `size` times its elements. TypeError, ValueError naming call `op`.
 void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
                        const char* whole, const char* part, const char* op);
+// A call's input where it shares memory with one of the call's `outputs`: a copy, taken before
+// anything is written; else the input itself. Where gloo carries the call it reads inputs
+// while it writes outputs: all_to_all_single(t, t), a scatter into a tensor of its own list,
+// a list reduce_scatter into one of its inputs came out wrong, silently (NCCL's would race).
+at::Tensor apart_from(const at::Tensor& input, const std::vector<at::Tensor>& outputs);
+std::vector<at::Tensor> apart_from(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs);
+std::vector<std::vector<at::Tensor>> apart_from(const std::vector<std::vector<at::Tensor>>& lists,
+                                                const std::vector<at::Tensor>& outputs);
 // ValueError unless 0 <= rank < size, naming `what` (e.g. "src").
 void check_rank(int64_t rank, int size, const char* what, const char* op);
 // The paired forms, output i for input i: as many outputs as inputs, at least

@@ -258,7 +258,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at:
                [this, outputs, inputs, opts] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "gather"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "gather"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, flattened(outputs))),
+                                                       "gather"));
                  return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), std::move(written));
                });
 }
@@ -274,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
                opts.asyncOp, [this, outputs, inputs, opts] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "scatter"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "scatter"));
+                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "scatter"));
                  return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), std::move(written));
                });
 }
@@ -316,7 +317,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                [this, output, input, output_splits, input_splits, opts]() mutable {
                  EngineTensors written;
                  auto out = engine_bytes(written.output(output), "alltoall_base");
-                 auto in = engine_bytes(EngineTensors::input(input), "alltoall_base");
+                 auto in = engine_bytes(EngineTensors::input(apart_from(input, {output})), "alltoall_base");
                  return written_back(
                      engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
                      std::move(written));
@@ -337,10 +338,10 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& 
   }
   return issue("alltoall", {"all_to_all", inputs, outputs}, c10d::OpType::ALLTOALL, std::move(terms), opts.asyncOp,
                [this, outputs, inputs, opts] {
-                 if (inputs[0].is_cpu()) return alltoall_in_one(outputs, inputs, opts);
+                 if (inputs[0].is_cpu()) return alltoall_in_one(outputs, inputs, opts);  // reads a copy
                  EngineTensors written;
                  auto outs = engine_bytes(written.outputs(outputs), "alltoall");
-                 auto ins = engine_bytes(EngineTensors::inputs(inputs), "alltoall");
+                 auto ins = engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "alltoall");
                  return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), std::move(written));
                });
 }

@@ -238,7 +238,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                reduce_scatter_terms(flat_inputs, own, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(written.outputs(outputs));
-                 auto ins = flat_for_gloo(EngineTensors::inputs(inputs));
+                 auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
                  return scaled_after(
                      engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
                      std::move(written));
@@ -274,7 +274,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
                [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(written.outputs(outputs));
-                 auto ins = flat_for_gloo(EngineTensors::inputs(inputs));
+                 auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
                  return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
                                          .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
                                      outs, scale, std::move(written));

@@ -45,7 +45,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<a
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "hca gather: only the dst rank passes a gather_list");
   }
   const size_t input = all.size();
-  all.push_back(inputs[0]);
+  all.push_back(apart_from(inputs[0], all));  // on the root it may be a tensor of its list (its own slot)
   CallArgs args("gather", all, inputs_from(input));
   const int64_t numel = static_cast<int64_t>(args.descs()[input].numel);
   for (size_t j = 0; j < input; ++j) args.check_like(j, input, numel, "a gather_list tensor");
@@ -74,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::scatter(std::vector<at::Tensor>&
   if (root) {
     TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == getSize(),
                       "hca scatter: the src rank needs a scatter_list of one tensor per rank (", getSize(), ")");
-    all.insert(all.end(), inputs[0].begin(), inputs[0].end());
+    for (const auto& input : apart_from(inputs[0], outputs)) all.push_back(input);  // the output may be one
   } else {
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "hca scatter: only the src rank passes a scatter_list");
   }
@@ -136,7 +136,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& output_splits,
                                                               std::vector<int64_t>& input_splits,
                                                               const c10d::AllToAllOptions& opts) {
-  CallArgs args("alltoall_base", {output, input}, inputs_from(1));
+  const at::Tensor source = apart_from(input, {output});
+  CallArgs args("alltoall_base", {output, source}, inputs_from(1));
   args.check_like(0, 1, output.numel(), "the output");
   const int world = getSize();
   const auto in_rows = rows_per_rank(input, input_splits, world, "input");
@@ -172,7 +173,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
                     "hca alltoall: expects one input and one output tensor per rank (", world, "), got ",
                     inputs.size(), " and ", outputs.size());
   std::vector<at::Tensor> all = outputs;
-  all.insert(all.end(), inputs.begin(), inputs.end());
+  for (const auto& input : apart_from(inputs, outputs)) all.push_back(input);
   CallArgs args("alltoall", all, inputs_from(outputs.size()));
   std::vector<int64_t> sends, expects;
   std::vector<const void*> sources;
@@ -206,7 +207,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
   }
   results = all;
   const size_t first_input = all.size(), k = inputs.size();
-  all.insert(all.end(), inputs.begin(), inputs.end());
+  for (const auto& input : apart_from(inputs, results)) all.push_back(input);  // an input may be its own slot
   CallArgs args("allgather_coalesced", all, inputs_from(first_input));
   std::vector<Collective> cs;
   for (size_t t = 0; t < k; ++t) {
