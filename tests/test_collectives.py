@@ -556,6 +556,52 @@ def test_float8_tensors_are_moved_not_reduced(world, device):
             assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg
 
 
+def _nans_win(rank, world, device):
+    """MAX and MIN with a NaN on one rank, in turn on each: the result is NaN there, wherever the
+    NaN comes from in the reduction's order, as torch.amax/amin have it (a kernel that kept its
+    accumulator unless the next value compared greater dropped a NaN that came second: a NaN
+    loss on one rank vanished). The other elements exact. gloo drops some (not tested here: the
+    pass-through and the stage between nodes are gloo's)."""
+    dev = rank_device(device, rank)
+    errors = []
+    n = 3 * world + 1000  # a NaN at rank e % world in elements e < 2 * world, finite values after
+    for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct"):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
+        for case, dtype in enumerate((torch.float32, torch.float64, torch.bfloat16, torch.float16)):
+            inputs = [make_input(1300 + case, r, n * world, dtype, "MAX") for r in range(world)]
+            for r, t in enumerate(inputs):
+                t.view(world, n)[:, r:2 * world:world] = float("nan")  # in every rank's part
+            for op in ("MAX", "MIN"):
+                stacked = torch.stack(inputs)
+                want = stacked.amax(0) if op == "MAX" else stacked.amin(0)
+                got = inputs[rank].to(dev, copy=True)
+                dist.all_reduce(got, op=OPS[op], group=group)
+                errors.append(_nan_mismatch(f"all_reduce {algorithm} {dtype} {op}", got, want))
+                out = torch.empty(n, dtype=dtype, device=dev)
+                reduce_scatter_single(out, inputs[rank].to(dev), op=OPS[op], group=group)
+                errors.append(_nan_mismatch(f"reduce_scatter_tensor {algorithm} {dtype} {op}", out,
+                                            want[rank * n:(rank + 1) * n]))
+                got = inputs[rank].to(dev, copy=True)
+                dist.reduce(got, dst=world - 1, op=OPS[op], group=group)
+                if rank == world - 1:
+                    errors.append(_nan_mismatch(f"reduce {algorithm} {dtype} {op}", got, want))
+    return [e for e in errors if e]
+
+
+def _nan_mismatch(what, got, want):
+    got = got.cpu()
+    nan = torch.isnan(want)
+    if not torch.equal(torch.isnan(got), nan):
+        where = [t.nonzero().flatten().tolist()[:8] for t in (torch.isnan(got), nan)]
+        return f"{what}: NaN at {where[0]}, want {where[1]}"
+    return None if torch.equal(got[~nan], want[~nan]) else f"{what}: the elements without a NaN differ"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_nan_on_any_rank_wins_max_and_min(world, device):
+    assert run_ranks(_nans_win, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
 def _forms_nccl_takes(rank, world):
     return shaped_wholes(rank, world) + all_to_all_of_any_sizes(rank, world)
 

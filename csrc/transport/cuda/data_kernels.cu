@@ -60,8 +60,15 @@ struct Traits<__nv_bfloat16> {
 
 struct Add { template <class A> __device__ static A apply(A a, A b) { return a + b; } };
 struct Mul { template <class A> __device__ static A apply(A a, A b) { return a * b; } };
-struct Min { template <class A> __device__ static A apply(A a, A b) { return b < a ? b : a; } };
-struct Max { template <class A> __device__ static A apply(A a, A b) { return a < b ? b : a; } };
+// A NaN wins wherever it comes from, as torch.maximum/minimum and gloo have it: a NaN loss
+// or gradient on one rank must not vanish from the result (as `a < b ? b : a` lets it).
+template <class A>
+__device__ bool is_nan(A v) {
+  if constexpr (std::is_floating_point_v<A>) return isnan(v);
+  return false;
+}
+struct Min { template <class A> __device__ static A apply(A a, A b) { return (b < a || is_nan(b)) ? b : a; } };
+struct Max { template <class A> __device__ static A apply(A a, A b) { return (a < b || is_nan(b)) ? b : a; } };
 struct BitAnd { template <class A> __device__ static A apply(A a, A b) { return a & b; } };
 struct BitOr { template <class A> __device__ static A apply(A a, A b) { return a | b; } };
 struct BitXor { template <class A> __device__ static A apply(A a, A b) { return a ^ b; } };

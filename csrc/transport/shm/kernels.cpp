@@ -81,8 +81,15 @@ struct Traits<BFloat16> {
 
 struct Add { template <class A> static A apply(A a, A b) { return a + b; } };
 struct Mul { template <class A> static A apply(A a, A b) { return a * b; } };
-struct Min { template <class A> static A apply(A a, A b) { return b < a ? b : a; } };
-struct Max { template <class A> static A apply(A a, A b) { return a < b ? b : a; } };
+// A NaN wins wherever it comes from, as torch.maximum/minimum and gloo have it: a NaN loss
+// or gradient on one rank must not vanish from the result (as `a < b ? b : a` lets it).
+template <class A>
+bool is_nan(A v) {
+  if constexpr (std::is_floating_point_v<A>) return std::isnan(v);
+  return false;
+}
+struct Min { template <class A> static A apply(A a, A b) { return (b < a || is_nan(b)) ? b : a; } };
+struct Max { template <class A> static A apply(A a, A b) { return (a < b || is_nan(b)) ? b : a; } };
 struct BitAnd { template <class A> static A apply(A a, A b) { return a & b; } };
 struct BitOr { template <class A> static A apply(A a, A b) { return a | b; } };
 struct BitXor { template <class A> static A apply(A a, A b) { return a ^ b; } };
