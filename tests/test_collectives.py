@@ -556,16 +556,16 @@ def test_float8_tensors_are_moved_not_reduced(world, device):
             assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg
 
 
-def _nans_win(rank, world, device):
+def _nans_win(rank, world, device, algorithms=("hierarchical_copy", "reduce_to_one_device", "direct")):
     """MAX and MIN with a NaN on one rank, in turn on each: the result is NaN there, wherever the
     NaN comes from in the reduction's order, as torch.amax/amin have it (a kernel that kept its
     accumulator unless the next value compared greater dropped a NaN that came second: a NaN
-    loss on one rank vanished). The other elements exact. gloo drops some (not tested here: the
-    pass-through and the stage between nodes are gloo's)."""
+    loss on one rank vanished; so did gloo's among nodes' leaders). The other elements exact.
+    Not under the pass-through, whose CPU calls are stock gloo's: it drops some."""
     dev = rank_device(device, rank)
     errors = []
     n = 3 * world + 1000  # a NaN at rank e % world in elements e < 2 * world, finite values after
-    for algorithm in ("hierarchical_copy", "reduce_to_one_device", "direct"):
+    for algorithm in algorithms:
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs=2))
         for case, dtype in enumerate((torch.float32, torch.float64, torch.bfloat16, torch.float16)):
             inputs = [make_input(1300 + case, r, n * world, dtype, "MAX") for r in range(world)]
@@ -600,6 +600,13 @@ def _nan_mismatch(what, got, want):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_nan_on_any_rank_wins_max_and_min(world, device):
     assert run_ranks(_nans_win, world, device, env=SMALL_CHUNKS) == [[]] * world
+
+
+@pytest.mark.parametrize("nodes", ["aab", "abab"])
+def test_a_nan_on_any_rank_wins_max_and_min_across_nodes(nodes):
+    env = [{**SMALL_CHUNKS, "TORCH_HCA_NODE_ID": node} for node in nodes]
+    assert run_ranks(_nans_win, len(nodes), "cpu", ("hierarchical_copy", "reduce_to_one_device"),
+                     env_per_rank=env) == [[]] * len(nodes)
 
 
 def _forms_nccl_takes(rank, world):

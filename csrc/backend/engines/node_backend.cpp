@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <limits>
 #include <optional>
 
 #include "../../transport/nccl/passthrough.hpp"
@@ -110,7 +111,8 @@ void NodeBackend::LeadersAgreement::settle_all() {
 }
 
 NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<at::Tensor> tensors,
-                                                     LeadersAgreement& agreed, const Issue& issue) const {
+                                                     LeadersAgreement& agreed, const Issue& issue,
+                                                     c10d::ReduceOp::RedOpType reduction) const {
   const Engines& engines = leaders_.at(position);
   tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   AmongLeaders call;
@@ -127,13 +129,33 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     for (auto& t : tensors) t = t.to(at::kCPU);
     call.staged = tensors;
   }
+  const bool extreme = reduction == c10d::ReduceOp::MIN || reduction == c10d::ReduceOp::MAX;
+  if (extreme && !tensors.empty() && at::isFloatingType(tensors[0].scalar_type())) {
+    call.nan_marks_one = reduction == c10d::ReduceOp::MAX;
+    for (const auto& t : tensors) {  // before gloo gets them: it writes them on threads of its own
+      const at::Tensor nan = at::isnan(t);
+      call.nan_masks.push_back((call.nan_marks_one ? nan : at::logical_not(nan)).to(at::kByte));
+    }
+    call.reduced = tensors;
+  }
   agreed.settle(position);
   call.work = issue(*engines.cpu, tensors);
+  if (!call.nan_masks.empty()) {
+    std::vector<at::Tensor> masks = call.nan_masks;
+    call.masks_work = issue(*engines.cpu, masks);
+  }
   return call;
 }
 
 void NodeBackend::AmongLeaders::finish() {
   work->wait();
+  if (masks_work) {
+    masks_work->wait();
+    for (size_t i = 0; i < reduced.size(); ++i) {
+      reduced[i].masked_fill_(nan_marks_one ? nan_masks[i].ne(0) : nan_masks[i].eq(0),
+                              std::numeric_limits<double>::quiet_NaN());
+    }
+  }
   for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
 }
 
@@ -197,7 +219,7 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
     exchanges[i] = among_leaders(positions[i], {flats[i]}, agreed,
                                  [&](c10d::Backend& engine, std::vector<at::Tensor>& pack) {
       return engine.allreduce(pack, across);
-    });
+    }, across.reduceOp.op_);
   }
   auto copy_back = stage_options<c10d::BroadcastOptions>(timeout);
   for (size_t i = 0; i < flats.size(); ++i) {
@@ -300,7 +322,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
       across.timeout = timeout;
       among_leaders(position, partial, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
-      }).finish();
+      }, across.reduceOp.op_).finish();
     }
     if (getRank() == dst) {
       if (op == c10d::ReduceOp::AVG) {
@@ -335,7 +357,7 @@ void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& in
       reductions.push_back(among_leaders(0, {part}, agreed,
                                          [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
         return engine.reduce(tensors, across);
-      }));
+      }, across.reduceOp.op_));
       if (m == node()) blocks = part;
     }
     for (auto& r : reductions) r.finish();
