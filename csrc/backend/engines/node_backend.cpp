@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <limits>
 #include <optional>
 
@@ -130,7 +131,9 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     call.staged = tensors;
   }
   const bool extreme = reduction == c10d::ReduceOp::MIN || reduction == c10d::ReduceOp::MAX;
-  if (extreme && !tensors.empty() && at::isFloatingType(tensors[0].scalar_type())) {
+  const bool floating = std::any_of(tensors.begin(), tensors.end(),
+                                    [](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()); });
+  if (extreme && floating) {  // (an integer tensor's mask marks no NaN)
     call.nan_marks_one = reduction == c10d::ReduceOp::MAX;
     for (const auto& t : tensors) {  // before gloo gets them: it writes them on threads of its own
       const at::Tensor nan = at::isnan(t);
