@@ -556,12 +556,12 @@ def test_float8_tensors_are_moved_not_reduced(world, device):
             assert f"dtype {name} is not supported in reductions" in msg and "all_gather" in msg, msg
 
 
-def _nans_win(rank, world, device, algorithms=("hierarchical_copy", "reduce_to_one_device", "direct")):
+def _nans_win(rank, world, device, algorithms=("hierarchical_copy", "reduce_to_one_device", "direct", "nccl")):
     """MAX and MIN with a NaN on one rank, in turn on each: the result is NaN there, wherever the
     NaN comes from in the reduction's order, as torch.amax/amin have it (a kernel that kept its
     accumulator unless the next value compared greater dropped a NaN that came second: a NaN
-    loss on one rank vanished; so did gloo's among nodes' leaders). The other elements exact.
-    Not under the pass-through, whose CPU calls are stock gloo's: it drops some."""
+    loss on one rank vanished; so does stock gloo, which carries the pass-through's CPU calls and
+    the exchange among nodes' leaders). The other elements exact."""
     dev = rank_device(device, rank)
     errors = []
     n = 3 * world + 1000  # a NaN at rank e % world in elements e < 2 * world, finite values after
@@ -580,6 +580,15 @@ def _nans_win(rank, world, device, algorithms=("hierarchical_copy", "reduce_to_o
                 out = torch.empty(n, dtype=dtype, device=dev)
                 reduce_scatter_single(out, inputs[rank].to(dev), op=OPS[op], group=group)
                 errors.append(_nan_mismatch(f"reduce_scatter_tensor {algorithm} {dtype} {op}", out,
+                                            want[rank * n:(rank + 1) * n]))
+                out = torch.empty(n, dtype=dtype, device=dev)
+                dist.reduce_scatter(out, list(inputs[rank].to(dev).chunk(world)), op=OPS[op], group=group)
+                errors.append(_nan_mismatch(f"reduce_scatter {algorithm} {dtype} {op}", out,
+                                            want[rank * n:(rank + 1) * n]))
+                out = torch.empty(n, dtype=dtype, device=dev)
+                with dist._coalescing_manager(group=group, device=dev):
+                    reduce_scatter_single(out, inputs[rank].to(dev), op=OPS[op], group=group)
+                errors.append(_nan_mismatch(f"coalesced reduce_scatter_tensor {algorithm} {dtype} {op}", out,
                                             want[rank * n:(rank + 1) * n]))
                 got = inputs[rank].to(dev, copy=True)
                 dist.reduce(got, dst=world - 1, op=OPS[op], group=group)

@@ -2,6 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "../calls/call_args.hpp"
 
 namespace hca {
@@ -137,6 +140,31 @@ void EngineBackend::check_engine_dtypes(const CommsCall& call, const char* op) {
     for (const auto& t : *tensors) {
       if (t.defined() && t.is_cpu()) engine_bytes(t, op);
     }
+  }
+}
+
+bool nans_go_round(c10d::ReduceOp::RedOpType op, const std::vector<at::Tensor>& tensors) {
+  if (op != c10d::ReduceOp::MIN && op != c10d::ReduceOp::MAX) return false;
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.defined() && t.is_cpu() && at::isFloatingType(t.scalar_type());
+  });
+}
+
+at::Tensor nan_mask(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) {
+  std::vector<at::Tensor> nans;
+  for (const auto& t : tensors) nans.push_back(at::isnan(t).reshape(-1));
+  const at::Tensor nan = nans.empty() ? at::empty({0}, at::kBool) : at::cat(nans);
+  return (op == c10d::ReduceOp::MAX ? nan : at::logical_not(nan)).to(at::kByte);
+}
+
+void put_nans_back(const std::vector<at::Tensor>& results, const at::Tensor& mask, c10d::ReduceOp::RedOpType op) {
+  const at::Tensor nan = op == c10d::ReduceOp::MAX ? mask.ne(0) : mask.eq(0);
+  int64_t at = 0;
+  for (const auto& t : results) {
+    if (at::isFloatingType(t.scalar_type())) {  // (an integer tensor's mask marks no NaN)
+      t.masked_fill_(nan.narrow(0, at, t.numel()).view(t.sizes()), std::numeric_limits<double>::quiet_NaN());
+    }
+    at += t.numel();
   }
 }
 

@@ -73,6 +73,15 @@ std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector
 // ValueError for BAND, BOR, BXOR, which NCCL lacks; the rest under NCCL's rules.
 void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op);
 
+// gloo's MIN and MAX keep or drop a NaN by the order they meet it, where hca's kernels let a
+// NaN win, as torch.amax does. So where gloo reduces floating CPU tensors with MIN or MAX, the
+// NaNs' places go round too: a mask the same reduction carries (uint8, every tensor's elements
+// in turn; 1 marks a NaN under MAX, 0 under MIN), taken before gloo gets the tensors (it writes
+// them on threads of its own), and the NaNs put back into the results after.
+bool nans_go_round(c10d::ReduceOp::RedOpType op, const std::vector<at::Tensor>& tensors);
+at::Tensor nan_mask(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+void put_nans_back(const std::vector<at::Tensor>& results, const at::Tensor& mask, c10d::ReduceOp::RedOpType op);
+
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);
 // Sets the default timeout of each engine there is.

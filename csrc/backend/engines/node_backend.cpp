@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <limits>
 #include <optional>
 
 #include "../../transport/nccl/passthrough.hpp"
@@ -130,34 +128,25 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
     for (auto& t : tensors) t = t.to(at::kCPU);
     call.staged = tensors;
   }
-  const bool extreme = reduction == c10d::ReduceOp::MIN || reduction == c10d::ReduceOp::MAX;
-  const bool floating = std::any_of(tensors.begin(), tensors.end(),
-                                    [](const at::Tensor& t) { return at::isFloatingType(t.scalar_type()); });
-  if (extreme && floating) {  // (an integer tensor's mask marks no NaN)
-    call.nan_marks_one = reduction == c10d::ReduceOp::MAX;
-    for (const auto& t : tensors) {  // before gloo gets them: it writes them on threads of its own
-      const at::Tensor nan = at::isnan(t);
-      call.nan_masks.push_back((call.nan_marks_one ? nan : at::logical_not(nan)).to(at::kByte));
-    }
+  if (nans_go_round(reduction, tensors)) {
     call.reduced = tensors;
+    call.nan_mask = nan_mask(tensors, reduction);
+    call.reduction = reduction;
   }
   agreed.settle(position);
   call.work = issue(*engines.cpu, tensors);
-  if (!call.nan_masks.empty()) {
-    std::vector<at::Tensor> masks = call.nan_masks;
-    call.masks_work = issue(*engines.cpu, masks);
+  if (call.nan_mask.defined()) {
+    std::vector<at::Tensor> mask{call.nan_mask};
+    call.mask_work = issue(*engines.cpu, mask);
   }
   return call;
 }
 
 void NodeBackend::AmongLeaders::finish() {
   work->wait();
-  if (masks_work) {
-    masks_work->wait();
-    for (size_t i = 0; i < reduced.size(); ++i) {
-      reduced[i].masked_fill_(nan_marks_one ? nan_masks[i].ne(0) : nan_masks[i].eq(0),
-                              std::numeric_limits<double>::quiet_NaN());
-    }
+  if (mask_work) {
+    mask_work->wait();
+    put_nans_back(reduced, nan_mask, reduction);
   }
   for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
 }

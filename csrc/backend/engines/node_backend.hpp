@@ -72,17 +72,17 @@ class NodeBackend : public EngineBackend {
                                        const std::string& text) const;
   // Issues `issue` among the leaders of `position` on `tensors` (what it reads
   // and writes), once `agreed` is settled there; finish() waits for it and
-  // copies host-staged results back. `reduction`: the op that `issue` reduces with, if any.
-  // gloo's MIN and MAX keep or drop a NaN by their order, where hca's kernels let it win:
-  // so for floating tensors the NaNs' places go round too, as masks `issue` reduces alike
-  // (1 for a NaN under MAX, 0 under MIN), and finish() puts the NaNs back.
+  // copies host-staged results back. `reduction`: the op that `issue` reduces with, if any:
+  // where gloo's MIN or MAX would drop a NaN, `issue` also carries the NaNs' places
+  // (nans_go_round), which finish() puts back.
   class AmongLeaders {
    public:
     void finish();
-    c10::intrusive_ptr<c10d::Work> work, masks_work;
+    c10::intrusive_ptr<c10d::Work> work, mask_work;
     std::vector<at::Tensor> given, staged;
-    std::vector<at::Tensor> reduced, nan_masks;  // where NaNs go round: gloo's tensors, their masks
-    bool nan_marks_one = true;                   // MAX's masks (a NaN is 1); MIN's mark it 0
+    std::vector<at::Tensor> reduced;  // where NaNs go round: gloo's tensors, and their mask
+    at::Tensor nan_mask;
+    c10d::ReduceOp::RedOpType reduction = c10d::ReduceOp::UNUSED;
   };
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, LeadersAgreement& agreed,

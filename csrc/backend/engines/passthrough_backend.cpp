@@ -67,9 +67,20 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
       return agreed_on_queue(c10d::OpType::ALLREDUCE, tensors, std::move(terms), "allreduce", opts.asyncOp,
                              [this, tensors, scale, engine_op, timeout] {
                                CallArgs args("allreduce", tensors);
+                               const auto op = engine_op.op_;
+                               const bool nans = nans_go_round(op, args.dense());
+                               const at::Tensor mask = nans ? nan_mask(args.dense(), op) : at::Tensor();
                                nccl::PackedAllreduce packed(cpu_engine("allreduce"), args.dense(),
                                                             make_packs(args.descs(), packing_), engine_op, timeout);
                                packed.finish();
+                               if (nans) {
+                                 std::vector<at::Tensor> masks{mask};
+                                 c10d::AllreduceOptions alike;
+                                 alike.reduceOp = engine_op;
+                                 alike.timeout = timeout;
+                                 cpu_engine("allreduce").allreduce(masks, alike)->wait();
+                                 put_nans_back(args.dense(), mask, op);
+                               }
                                if (scale) {
                                  for (const auto& t : args.dense()) scale->multiply(t, t);
                                }
@@ -143,7 +154,14 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor
                  } else {
                    given = written.outputs(tensors);
                  }
-                 return written_back(engine(tensors[0], "reduce").reduce(given, opts), std::move(written));
+                 const auto op = opts.reduceOp.op_;
+                 std::vector<at::Tensor> mask;
+                 if (nans_go_round(op, given)) mask.push_back(nan_mask(given, op));
+                 auto& gloo = engine(tensors[0], "reduce");
+                 auto call = written_back(gloo.reduce(given, opts), std::move(written));
+                 if (mask.empty()) return call;
+                 auto masks_work = gloo.reduce(mask, opts);
+                 return with_nans_put_back(std::move(call), std::move(masks_work), given, mask, op);
                });
 }
 
@@ -239,9 +257,19 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                  EngineTensors written;
                  auto outs = flat_for_gloo(written.outputs(outputs));
                  auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
-                 return scaled_after(
-                     engine(outputs[0], "reduce_scatter").reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
-                     std::move(written));
+                 auto& gloo = engine(outputs[0], "reduce_scatter");
+                 const auto op = opts.reduceOp.op_;
+                 const bool nans = nans_go_round(op, outs);
+                 auto out_masks = nans ? masks_of(outs, op) : std::vector<at::Tensor>{};
+                 std::vector<std::vector<at::Tensor>> in_masks;
+                 for (const auto& list : nans ? ins : std::vector<std::vector<at::Tensor>>{}) {
+                   in_masks.push_back(masks_of(list, op));
+                 }
+                 auto call = scaled_after(gloo.reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
+                                          std::move(written));
+                 if (!nans) return call;
+                 auto masks_work = gloo.reduce_scatter(out_masks, in_masks, opts);
+                 return with_nans_put_back(std::move(call), std::move(masks_work), outs, out_masks, op);
                });
 }
 
@@ -256,9 +284,15 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
                  EngineTensors written;
                  auto out = flat_for_gloo(written.output(output));
                  auto in = flat_for_gloo(EngineTensors::input(input));
-                 return scaled_after(
-                     engine(output, "reduce_scatter_tensor")._reduce_scatter_base(out, in, summing(opts, scale)),
-                     {out}, scale, std::move(written));
+                 auto& gloo = engine(output, "reduce_scatter_tensor");
+                 const auto op = opts.reduceOp.op_;
+                 const bool nans = nans_go_round(op, {out});
+                 auto masks = nans ? masks_of({out, in}, op) : std::vector<at::Tensor>{};
+                 auto call = scaled_after(gloo._reduce_scatter_base(out, in, summing(opts, scale)), {out}, scale,
+                                          std::move(written));
+                 if (!nans) return call;
+                 auto masks_work = gloo._reduce_scatter_base(masks[0], masks[1], opts);
+                 return with_nans_put_back(std::move(call), std::move(masks_work), {out}, {masks[0]}, op);
                });
 }
 
@@ -275,9 +309,16 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
                  EngineTensors written;
                  auto outs = flat_for_gloo(written.outputs(outputs));
                  auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
-                 return scaled_after(engine(inputs[0], "reduce_scatter_tensor")
-                                         .reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)),
-                                     outs, scale, std::move(written));
+                 auto& gloo = engine(inputs[0], "reduce_scatter_tensor");
+                 const auto op = opts.reduceOp.op_;
+                 const bool nans = nans_go_round(op, outs);
+                 auto out_masks = nans ? masks_of(outs, op) : std::vector<at::Tensor>{};
+                 auto in_masks = nans ? masks_of(ins, op) : std::vector<at::Tensor>{};
+                 auto call = scaled_after(gloo.reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)), outs,
+                                          scale, std::move(written));
+                 if (!nans) return call;
+                 auto masks_work = gloo.reduce_scatter_tensor_coalesced(out_masks, in_masks, opts);
+                 return with_nans_put_back(std::move(call), std::move(masks_work), outs, out_masks, op);
                });
 }
 
@@ -291,6 +332,28 @@ c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatter
 CallTerms PassthroughBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
                                                    const c10d::ReduceScatterOptions& opts) {
   return {"reduce_scatter(" + tensors_text(inputs) + " -> " + outputs + ", " + reduction_text(opts.reduceOp) + ")"};
+}
+
+std::vector<at::Tensor> PassthroughBackend::masks_of(const std::vector<at::Tensor>& tensors,
+                                                     c10d::ReduceOp::RedOpType op) {
+  std::vector<at::Tensor> masks;
+  for (const auto& t : tensors) masks.push_back(nan_mask({t}, op).view(t.sizes()));
+  return masks;
+}
+
+EngineBackend::EngineCall PassthroughBackend::with_nans_put_back(EngineCall call,
+                                                                 c10::intrusive_ptr<c10d::Work> masks_work,
+                                                                 std::vector<at::Tensor> results,
+                                                                 std::vector<at::Tensor> masks,
+                                                                 c10d::ReduceOp::RedOpType op) {
+  return {std::move(call.work), [masks_work = std::move(masks_work), results = std::move(results),
+                                 masks = std::move(masks), op, step = std::move(call.step)] {
+            masks_work->wait();
+            std::vector<at::Tensor> flat;
+            for (const auto& m : masks) flat.push_back(m.reshape(-1));
+            put_nans_back(results, at::cat(flat), op);
+            if (step) step();
+          }};
 }
 
 EngineBackend::EngineCall PassthroughBackend::scaled_after(c10::intrusive_ptr<c10d::Work> engine_work,

@@ -43,6 +43,14 @@ class PassthroughBackend : public EngineBackend {
   // copies that `written` writes back), then the scale where there is one, then the write-back.
   static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
                                  const std::optional<PremulFactor>& scale, EngineTensors written);
+  // Where gloo's MIN or MAX would drop a NaN (nans_go_round): each tensor's mask, of its shape,
+  // for the same call on them.
+  static std::vector<at::Tensor> masks_of(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+  // `call`, then, once `masks_work` (that call on `masks`) is done, the NaNs they mark put back
+  // into `results` (the engine's outputs), before `call`'s own step (a write-back).
+  static EngineCall with_nans_put_back(EngineCall call, c10::intrusive_ptr<c10d::Work> masks_work,
+                                       std::vector<at::Tensor> results, std::vector<at::Tensor> masks,
+                                       c10d::ReduceOp::RedOpType op);
   // An all_gather into slots of different sizes on CPU tensors (dense, flat: `slots`, `input`),
   // which gloo's all_gather refuses: a gloo broadcast from each rank in turn into its slot, as
   // NCCL gathers such slots; this rank's input is copied into its own slot after. `timeout`: the call's.
