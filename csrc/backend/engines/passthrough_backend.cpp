@@ -241,6 +241,21 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allgather_into_tensor_coalesc
                });
 }
 
+template <typename Inputs, typename Reduce>
+EngineBackend::EngineCall PassthroughBackend::reduce_scatter_through(std::vector<at::Tensor> outs, Inputs ins,
+                                                                     const c10d::ReduceScatterOptions& opts,
+                                                                     const std::optional<PremulFactor>& scale,
+                                                                     EngineTensors written, Reduce reduce) {
+  const auto op = opts.reduceOp.op_;
+  const bool nans = nans_go_round(op, outs);
+  auto out_masks = nans ? masks_of(outs, op) : std::vector<at::Tensor>{};
+  auto in_masks = nans ? masks_of(ins, op) : Inputs{};  // taken before gloo writes the tensors
+  auto call = scaled_after(reduce(outs, ins, summing(opts, scale)), outs, scale, std::move(written));
+  if (!nans) return call;
+  auto masks_work = reduce(out_masks, in_masks, opts);
+  return with_nans_put_back(std::move(call), std::move(masks_work), std::move(outs), std::move(out_masks), op);
+}
+
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                   std::vector<std::vector<at::Tensor>>& inputs,
                                                                   const c10d::ReduceScatterOptions& opts) {
@@ -258,18 +273,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter(std::vector<at
                  auto outs = flat_for_gloo(written.outputs(outputs));
                  auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
                  auto& gloo = engine(outputs[0], "reduce_scatter");
-                 const auto op = opts.reduceOp.op_;
-                 const bool nans = nans_go_round(op, outs);
-                 auto out_masks = nans ? masks_of(outs, op) : std::vector<at::Tensor>{};
-                 std::vector<std::vector<at::Tensor>> in_masks;
-                 for (const auto& list : nans ? ins : std::vector<std::vector<at::Tensor>>{}) {
-                   in_masks.push_back(masks_of(list, op));
-                 }
-                 auto call = scaled_after(gloo.reduce_scatter(outs, ins, summing(opts, scale)), outs, scale,
-                                          std::move(written));
-                 if (!nans) return call;
-                 auto masks_work = gloo.reduce_scatter(out_masks, in_masks, opts);
-                 return with_nans_put_back(std::move(call), std::move(masks_work), outs, out_masks, op);
+                 return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
+                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                 return gloo.reduce_scatter(o, i, with);
+                                               });
                });
 }
 
@@ -285,14 +292,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::_reduce_scatter_base(at::Tens
                  auto out = flat_for_gloo(written.output(output));
                  auto in = flat_for_gloo(EngineTensors::input(input));
                  auto& gloo = engine(output, "reduce_scatter_tensor");
-                 const auto op = opts.reduceOp.op_;
-                 const bool nans = nans_go_round(op, {out});
-                 auto masks = nans ? masks_of({out, in}, op) : std::vector<at::Tensor>{};
-                 auto call = scaled_after(gloo._reduce_scatter_base(out, in, summing(opts, scale)), {out}, scale,
-                                          std::move(written));
-                 if (!nans) return call;
-                 auto masks_work = gloo._reduce_scatter_base(masks[0], masks[1], opts);
-                 return with_nans_put_back(std::move(call), std::move(masks_work), {out}, {masks[0]}, op);
+                 return reduce_scatter_through({out}, std::vector<at::Tensor>{in}, opts, scale, std::move(written),
+                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                 return gloo._reduce_scatter_base(o[0], i[0], with);
+                                               });
                });
 }
 
@@ -310,15 +313,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
                  auto outs = flat_for_gloo(written.outputs(outputs));
                  auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
                  auto& gloo = engine(inputs[0], "reduce_scatter_tensor");
-                 const auto op = opts.reduceOp.op_;
-                 const bool nans = nans_go_round(op, outs);
-                 auto out_masks = nans ? masks_of(outs, op) : std::vector<at::Tensor>{};
-                 auto in_masks = nans ? masks_of(ins, op) : std::vector<at::Tensor>{};
-                 auto call = scaled_after(gloo.reduce_scatter_tensor_coalesced(outs, ins, summing(opts, scale)), outs,
-                                          scale, std::move(written));
-                 if (!nans) return call;
-                 auto masks_work = gloo.reduce_scatter_tensor_coalesced(out_masks, in_masks, opts);
-                 return with_nans_put_back(std::move(call), std::move(masks_work), outs, out_masks, op);
+                 return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
+                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                 return gloo.reduce_scatter_tensor_coalesced(o, i, with);
+                                               });
                });
 }
 
@@ -338,6 +336,13 @@ std::vector<at::Tensor> PassthroughBackend::masks_of(const std::vector<at::Tenso
                                                      c10d::ReduceOp::RedOpType op) {
   std::vector<at::Tensor> masks;
   for (const auto& t : tensors) masks.push_back(nan_mask({t}, op).view(t.sizes()));
+  return masks;
+}
+
+std::vector<std::vector<at::Tensor>> PassthroughBackend::masks_of(const std::vector<std::vector<at::Tensor>>& lists,
+                                                                  c10d::ReduceOp::RedOpType op) {
+  std::vector<std::vector<at::Tensor>> masks;
+  for (const auto& list : lists) masks.push_back(masks_of(list, op));
   return masks;
 }
 

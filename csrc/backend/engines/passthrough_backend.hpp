@@ -43,9 +43,18 @@ class PassthroughBackend : public EngineBackend {
   // copies that `written` writes back), then the scale where there is one, then the write-back.
   static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
                                  const std::optional<PremulFactor>& scale, EngineTensors written);
-  // Where gloo's MIN or MAX would drop a NaN (nans_go_round): each tensor's mask, of its shape,
-  // for the same call on them.
+  // A reduce-scatter through gloo: `reduce(outs, ins, opts)`, then the scale or the write-back
+  // (scaled_after). Where gloo's MIN or MAX would drop a NaN (nans_go_round), `reduce` runs
+  // alike on the tensors' NaN masks (masks_of) after it, and the NaNs are put back first.
+  template <typename Inputs, typename Reduce>
+  static EngineCall reduce_scatter_through(std::vector<at::Tensor> outs, Inputs ins,
+                                           const c10d::ReduceScatterOptions& opts,
+                                           const std::optional<PremulFactor>& scale, EngineTensors written,
+                                           Reduce reduce);
+  // Each tensor's NaN mask (nan_mask), of its shape, for the same call on them.
   static std::vector<at::Tensor> masks_of(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+  static std::vector<std::vector<at::Tensor>> masks_of(const std::vector<std::vector<at::Tensor>>& lists,
+                                                       c10d::ReduceOp::RedOpType op);
   // `call`, then, once `masks_work` (that call on `masks`) is done, the NaNs they mark put back
   // into `results` (the engine's outputs), before `call`'s own step (a write-back).
   static EngineCall with_nans_put_back(EngineCall call, c10::intrusive_ptr<c10d::Work> masks_work,
