@@ -394,15 +394,13 @@ PREMUL_CONFIGS = [("hierarchical_copy", dict(num_packs=1)), ("hierarchical_copy"
                   ("reduce_to_one_device", dict()), ("direct", dict(num_packs=2))]
 
 
-def _premul_sum(rank, world, device):
+def _premul_sum(rank, world, device, configs):
     """PREMUL_SUM (dist._make_nccl_premul_sum, FSDP2's gradient divide with NCCL): each rank's input
     times the factor, summed; against float64 references."""
     dev = rank_device(device, rank)
     premul = dist._make_nccl_premul_sum
     errors, case = [], 900
-    # The nccl pass-through: gloo's engine sums and hca scales after; NCCL (several ranks on one GPU
-    # aside) would take PREMUL_SUM itself.
-    for algorithm, config in PREMUL_CONFIGS + ([("nccl", dict(num_packs=2))] if device != "cuda" else []):
+    for algorithm, config in configs:
         group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, **config))
         for dtype in sorted(FLOATS, key=str):
             for factor in (0.25, 1.0 / world, torch.tensor([0.5], dtype=torch.float64, device=dev)):
@@ -414,6 +412,11 @@ def _premul_sum(rank, world, device):
                 dist.all_reduce(t, op=premul(factor), group=group)
                 want = sum(x.double() * f for x in inputs).to(dtype)
                 errors.append(mismatch(f"all_reduce {name}", t, want, world))
+                # reduce: dst's tensor takes the result, the others' stay as given (as NCCL's)
+                dst = case % world
+                t = inputs[rank].to(dev, copy=True)
+                dist.reduce(t, dst, op=premul(factor), group=group)
+                errors.append(mismatch(f"reduce to {dst} {name}", t, want if rank == dst else inputs[rank], world))
                 # reduce_scatter: the input stays the caller's, unscaled
                 chunks = [make_input(case + 1000, r, 7 * world, dtype, "SUM") for r in range(world)]
                 inp, out = chunks[rank].to(dev, copy=True), torch.empty(7, dtype=dtype, device=dev)
@@ -431,7 +434,7 @@ def _premul_sum(rank, world, device):
         errors.append(mismatch(f"two async {algorithm} {config}", t, want, world))
     ints = raises(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), op=premul(2.0)), ValueError)
     passthrough = None
-    if device != "cuda":
+    if ("nccl", dict(num_packs=2)) in configs:
         nccl = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl"))
         passthrough = raises(lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32, device=dev), op=premul(2.0),
                                                      group=nccl), ValueError)
@@ -442,11 +445,24 @@ def _premul_sum(rank, world, device):
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_premul_sum(world, device):
-    for errors, ints, passthrough in run_ranks(_premul_sum, world, device, env=SMALL_CHUNKS):
+    # The nccl pass-through: gloo's engine sums and hca scales after; NCCL (several ranks on one GPU
+    # aside) would take PREMUL_SUM itself.
+    configs = PREMUL_CONFIGS + ([("nccl", dict(num_packs=2))] if device != "cuda" else [])
+    for errors, ints, passthrough in run_ranks(_premul_sum, world, device, configs, env=SMALL_CHUNKS):
         assert errors == []
         assert "ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in ints, ints
         if device != "cuda":
             assert "hca allreduce: ReduceOp.PREMUL_SUM is not supported for Int (floating dtypes only)" in passthrough
+
+
+@pytest.mark.parametrize("nodes", ["aab", "abab"])
+def test_premul_sum_across_nodes(nodes):
+    """Each rank multiplies its own tensors before the stages sum them (FSDP2's gradient divide)."""
+    env = [{**SMALL_CHUNKS, "TORCH_HCA_NODE_ID": node} for node in nodes]
+    configs = [("hierarchical_copy", dict(num_packs=2)), ("reduce_to_one_device", dict())]
+    for errors, ints, _ in run_ranks(_premul_sum, len(nodes), "cpu", configs, env_per_rank=env):
+        assert errors == []
+        assert "ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in ints, ints
 
 
 # The plans whose last reducer folds every input at once. hierarchical_copy's groups of 2 at 4 ranks

@@ -159,13 +159,20 @@ def _coalesced_gathers(rnd, rank, world, dev, group, case, dtype, op, numel, asy
 
 
 def _premul_sum(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
-    """FSDP2's gradient divide with NCCL: each input times a factor, then summed (floating dtypes)."""
+    """FSDP2's gradient divide with NCCL: each input times a factor, then summed (floating dtypes),
+    by all_reduce or into one rank by reduce."""
     dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
     factor = rnd.choice([0.5, 0.25, 1.0 / world])
     inputs = [make_input(case, r, numel, dtype, "SUM") for r in range(world)]
     t = inputs[rank].to(dev, copy=True)
-    work = dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor), group=group, async_op=async_op)
-    return [(work, f"factor={factor} {dtype}", t, reduce_reference([x * factor for x in inputs], "SUM"), world)]
+    premul = dist._make_nccl_premul_sum(factor)
+    want = reduce_reference([x * factor for x in inputs], "SUM")
+    if rnd.random() < 0.5:
+        work = dist.all_reduce(t, op=premul, group=group, async_op=async_op)
+        return [(work, f"factor={factor} {dtype}", t, want, world)]
+    dst = rnd.randrange(world)
+    work = dist.reduce(t, dst=dist.get_global_rank(group, dst), op=premul, group=group, async_op=async_op)
+    return [(work, f"reduce to {dst}, factor={factor} {dtype}", t, want if rank == dst else inputs[rank], world)]
 
 
 def _list_forms(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
@@ -235,14 +242,11 @@ class _All:
 
 KINDS = [_all_reduce, _all_reduce, _coalesced, _broadcast, _reduce, _all_gather, _reduce_scatter, _all_to_all,
          _coalesced_gathers, _premul_sum, _list_forms, _gather_or_scatter, _ring]
-# A group across nodes refuses PREMUL_SUM with a ValueError (test_nodes.py).
-KINDS_ACROSS_NODES = [kind for kind in KINDS if kind is not _premul_sum]
 
 
 def _sequence(rank, world, device, seed, across_nodes=False):
     rnd = random.Random(seed)  # every rank draws the same sequence
     dev = rank_device(device, rank)
-    kinds = KINDS_ACROSS_NODES if across_nodes else KINDS
     groups = []
     for _ in range(3):
         # The pass-through on CPU tensors (gloo); NCCL refuses several ranks on one GPU.
@@ -259,7 +263,7 @@ def _sequence(rank, world, device, seed, across_nodes=False):
 
     for i in range(CALLS):
         group, options = rnd.choice(groups)
-        kind = rnd.choice(kinds)
+        kind = rnd.choice(KINDS)
         if kind is _ring and options["algorithm"] == "nccl":
             kind = functools.partial(_ring, to_oneself=False)  # gloo takes no message to oneself
         dtype = rnd.choice(DTYPES)

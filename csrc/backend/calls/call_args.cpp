@@ -211,8 +211,8 @@ ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   const auto plan = plan_op(op);
   const auto index = static_cast<size_t>(op.op_);
   TORCH_CHECK_VALUE(plan, "hca ", name_, ": ReduceOp.", index < 9 ? names[index] : "?",
-                    " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR; PREMUL_SUM in all_reduce and "
-                    "reduce_scatter on one node)");
+                    " is not supported (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR; PREMUL_SUM in all_reduce, "
+                    "reduce and reduce_scatter)");
   for (const auto& d : descs_) check_reducible(d.dtype, *plan, name_);
   return *plan;
 }

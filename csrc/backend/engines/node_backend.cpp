@@ -238,12 +238,14 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
                  });
   }
   CallArgs args("allreduce", tensors);
-  args.reduce_op(opts.reduceOp);
+  const Scaled in_place{0, tensors.size(), false};
+  args.reduce_op(opts.reduceOp, &in_place);
   check_engine_reduction(tensors, opts.reduceOp, "allreduce");
   check_device(args.device(), "allreduce");
   auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
                timeout = timeout_or_default(opts.timeout)] {
-    allreduce_stages(args.dense(), packs, op, timeout,
+    args.premultiply();
+    allreduce_stages(args.dense(), packs, staged_op(args, op), timeout,
                      "allreduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
     args.write_back();
   };
@@ -290,14 +292,17 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
   check_nonempty(tensors.size(), "the tensor list", "reduce");
   check_rank(opts.rootRank, getSize(), "dst", "reduce");
   CallArgs args("reduce", tensors);
-  args.reduce_op(opts.reduceOp);
+  const int root = static_cast<int>(opts.rootRank);
+  const Scaled scaled{0, tensors.size(), getRank() != root};  // only dst's tensors change
+  args.reduce_op(opts.reduceOp, &scaled);
   check_engine_reduction(tensors, opts.reduceOp, "reduce");
   check_device(args.device(), "reduce");
-  auto body = [this, args, dst = static_cast<int>(opts.rootRank), op = opts.reduceOp,
-               timeout = timeout_or_default(opts.timeout)] {
+  auto body = [this, args, dst = root, given_op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
+    args.premultiply();
+    const c10d::ReduceOp op = staged_op(args, given_op);
     const int position = root_position(nodes_, dst);
     auto agreed = agree_among_leaders({position}, args.device(),
-                                      "reduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) +
+                                      "reduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(given_op) +
                                           ", dst=" + std::to_string(dst) + ")");
     const bool relays = leads(position) && getRank() != dst;  // a leader of another node
     // A relaying leader reduces into scratch copies: only dst's tensors change.
@@ -455,16 +460,18 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
   CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
-  args.reduce_op(opts.reduceOp);
-  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
   const size_t n = outputs.size();
+  const Scaled copies_of_inputs{n, inputs.size(), true};
+  args.reduce_op(opts.reduceOp, &copies_of_inputs);
+  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
   check_device(args.device(), "reduce_scatter_tensor");
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
+    args.premultiply();
     auto agreed = agree_among_leaders(
         {0}, args.device(), "reduce_scatter(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
     for (size_t i = 0; i < n; ++i) {
       at::Tensor out = args.dense()[i].view(-1);
-      reduce_scatter_stages(out, args.dense()[n + i].view(-1), op, timeout, agreed);
+      reduce_scatter_stages(out, args.dense()[n + i].view(-1), staged_op(args, op), timeout, agreed);
     }
     args.write_back();
   };

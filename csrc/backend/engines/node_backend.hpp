@@ -88,6 +88,11 @@ class NodeBackend : public EngineBackend {
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, LeadersAgreement& agreed,
                              const Issue& issue,
                              c10d::ReduceOp::RedOpType reduction = c10d::ReduceOp::UNUSED) const;
+  // The op the stages reduce with: SUM for a PREMUL_SUM, whose factor premultiply()
+  // applied to this rank's tensors first (as NCCL's does), else `op`.
+  static c10d::ReduceOp staged_op(const CallArgs& args, const c10d::ReduceOp& op) {
+    return args.premultiplies() ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
+  }
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 

@@ -140,10 +140,11 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
   check_engine_reduction(tensors, opts.reduceOp, "reduce");
+  const auto scale = post_scale(opts.reduceOp, tensors, "reduce");
   CallTerms terms{"reduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) +
                   ", dst=" + std::to_string(opts.rootRank) + ")"};
   return issue("reduce", {"reduce", tensors, tensors}, c10d::OpType::REDUCE, std::move(terms), opts.asyncOp,
-               [this, tensors, opts] {
+               [this, tensors, opts, scale] {
                  // gloo works in the tensors of every rank and leaves partial results in those of ranks
                  // other than the root; NCCL, and hca's own algorithms, leave them as given: so gloo
                  // gets copies there (taken here, after the calls before have written the tensors).
@@ -158,7 +159,10 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor
                  std::vector<at::Tensor> mask;
                  if (nans_go_round(op, given)) mask.push_back(nan_mask(given, op));
                  auto& gloo = engine(tensors[0], "reduce");
-                 auto call = written_back(gloo.reduce(given, opts), std::move(written));
+                 const bool root = getRank() == opts.rootRank;  // the others' sums are scratch
+                 auto call = scaled_after(gloo.reduce(given, summing(opts, scale)),
+                                          root ? given : std::vector<at::Tensor>{},
+                                          scale, std::move(written));
                  if (mask.empty()) return call;
                  auto masks_work = gloo.reduce(mask, opts);
                  return with_nans_put_back(std::move(call), std::move(masks_work), given, mask, op);
@@ -318,13 +322,6 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce_scatter_tensor_coalesc
                                                  return gloo.reduce_scatter_tensor_coalesced(o, i, with);
                                                });
                });
-}
-
-c10d::ReduceScatterOptions PassthroughBackend::summing(const c10d::ReduceScatterOptions& opts,
-                                                       const std::optional<PremulFactor>& scale) {
-  c10d::ReduceScatterOptions engine_opts = opts;
-  if (scale) engine_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  return engine_opts;
 }
 
 CallTerms PassthroughBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,

@@ -36,10 +36,14 @@ class PassthroughBackend : public EngineBackend {
   // PREMUL_SUM where the engine is gloo, which lacks it: the engine sums, and the
   // results are multiplied by the factor (`scale`) after, in the call's turn (as
   // AVG divides after the sum). NCCL (CUDA tensors) has PREMUL_SUM and gets it as it is.
-  // The engine's options for a reduce-scatter: SUM where `scale` multiplies after.
-  static c10d::ReduceScatterOptions summing(const c10d::ReduceScatterOptions& opts,
-                                            const std::optional<PremulFactor>& scale);
-  // A reduce-scatter's `engine_work` into `sums` (the engine's outputs: the caller's, or dense
+  // The engine's options for a reduce or reduce-scatter: SUM where `scale` multiplies after.
+  template <typename Options>
+  static Options summing(const Options& opts, const std::optional<PremulFactor>& scale) {
+    Options engine_opts = opts;
+    if (scale) engine_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    return engine_opts;
+  }
+  // A reduction's `engine_work` into `sums` (the engine's outputs: the caller's, or dense
   // copies that `written` writes back), then the scale where there is one, then the write-back.
   static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
                                  const std::optional<PremulFactor>& scale, EngineTensors written);

@@ -435,9 +435,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& 
   check_nonempty(tensors.size(), "the tensor list", "reduce");
   check_rank(opts.rootRank, getSize(), "dst", "reduce");
   CallArgs args("reduce", tensors);
-  const ReduceOp op = args.reduce_op(opts.reduceOp);
-  std::vector<Collective> cs;
   const int dst = static_cast<int>(opts.rootRank);
+  // PREMUL_SUM: dst's tensors take the result, so they are multiplied in place; the
+  // others' stay as given (as NCCL leaves them), so theirs are multiplied into copies.
+  const Scaled scaled{0, tensors.size(), getRank() != dst};
+  const ReduceOp op = args.reduce_op(opts.reduceOp, &scaled);
+  std::vector<Collective> cs;
   cs.push_back(cached_collective(
       "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
       [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
