@@ -1,5 +1,5 @@
-"""The docs stay true: every TORCH_HCA_* variable the code reads is documented and every documented
-one is read; the README's options table is torch_hca.Options; links between the docs resolve."""
+"""The docs stay true: every TORCH_HCA_* variable the code reads is documented, every documented
+one is read, and the settings module knows them all; the README's options table is torch_hca.Options; links between the docs resolve."""
 import dataclasses
 import glob
 import os
@@ -8,6 +8,7 @@ import subprocess
 
 import torch_hca
 from torch_hca.options import ENV_PREFIX
+from torch_hca.settings import known_variables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "results", "README.md")] + sorted(
@@ -26,8 +27,9 @@ def variables_read_by_the_code():
     names = set()
     sources = glob.glob(os.path.join(ROOT, "csrc", "**", "*.*"), recursive=True)
     sources += glob.glob(os.path.join(ROOT, "torch_hca", "*.py")) + [os.path.join(ROOT, "setup.py")]
+    sources += glob.glob(os.path.join(ROOT, "tools", "*.sh"))
     for path in sources:
-        if path.endswith((".cpp", ".h", ".hpp", ".cu", ".cuh", ".py")):
+        if path.endswith((".cpp", ".h", ".hpp", ".cu", ".cuh", ".py", ".sh")):
             text = _read(path)
             names.update(VARIABLE.findall(text))
             names.update(ENV_PREFIX + n for n in re.findall(r'ENV_PREFIX \+ "([A-Z0-9_]+)"', text))
@@ -43,6 +45,8 @@ def test_every_variable_the_code_reads_is_in_the_table_and_no_other():
     read = variables_read_by_the_code()
     assert read - in_table == set(), "read but not documented"
     assert in_table - read == set(), "documented but never read"
+    # The names a group's creation knows (any other set is warned about as a likely typo).
+    assert sorted(known_variables()) == sorted(in_table)
     mentioned = set().union(*(VARIABLE.findall(_read(p)) for p in DOCS))
     assert mentioned - read == set(), "the docs name variables the code does not read"
 

@@ -1,15 +1,17 @@
 """The installed tools: `python -m torch_hca.bench` (nccl-tests' sweep), `python -m torch_hca.check`
-(the self-test) and `python -m torch_hca.explain`, run as a user runs them, and their element checks shown to catch a wrong result."""
+(the self-test), `python -m torch_hca.explain` and `python -m torch_hca` (the report), run as a user runs them, and their element checks shown to catch a wrong result."""
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+import torch_hca
 import torch_hca.bench
 import torch_hca.check
 from harness import run_ranks
@@ -195,3 +197,32 @@ def test_explain_prints_the_plan_from_the_command_line_without_a_warning(tmp_pat
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert "chosen per call: reduce_to_one_device" in out.stdout and "step 1: reduce 1->0, reduce 2->0, reduce 3->0" \
         in out.stdout and f"rounds of a {64 << 20}-byte slot" in out.stdout, out.stdout
+
+
+def test_the_package_reports_what_it_sees_and_names_a_misspelt_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HCA_NUMPACKS", "2")
+    monkeypatch.setenv("TORCH_HCA_SHM_SLOTS", "8")
+    out = run_tool(["torch_hca"], tmp_path)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"torch_hca {torch_hca.__version__} ")
+    assert f"torch: {torch.__version__} running, extension built for" in lines[1]
+    assert "  TORCH_HCA_NUMPACKS=2  <- TORCH_HCA_NUMPACKS is not a torch_hca setting (did you mean " \
+           "TORCH_HCA_NUM_PACKS?): it is ignored" in lines, out.stdout
+    assert "  TORCH_HCA_SHM_SLOTS=8" in lines, out.stdout  # known: no remark
+    assert sum(line.startswith("  python -m torch_hca.") for line in lines) == 4
+
+
+def _group_warnings(rank, world):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = dist.new_group(backend="hca")
+        dist.all_reduce(torch.ones(3), group=group)
+    return sorted(str(w.message) for w in caught if "torch_hca setting" in str(w.message))
+
+
+def test_creating_a_group_warns_about_a_setting_it_does_not_read():
+    env = {"TORCH_HCA_NUMPACKS": "2", "TORCH_HCA_FOO": "1", "TORCH_HCA_NUM_PACKS": "1"}
+    assert run_ranks(_group_warnings, 2, env=env) == [[
+        "TORCH_HCA_FOO is not a torch_hca setting: it is ignored",
+        "TORCH_HCA_NUMPACKS is not a torch_hca setting (did you mean TORCH_HCA_NUM_PACKS?): it is ignored"]] * 2

@@ -12,6 +12,7 @@ from torch._C._distributed_c10d import Backend as C10dBackend
 from . import _C, costs, topology
 from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
 from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
+from .settings import warn_unknown_variables
 
 BACKEND_NAME = "hca"
 
@@ -20,6 +21,7 @@ def create_backend(dist_backend_opts, backend_options):
     """torch's creator hook (extended API): one backend per process group. `nccl` is a wrapper
     around stock engines (which span nodes themselves); the other algorithms run hca's own
     executors inside each node and, when the ranks span nodes, engines between them."""
+    warn_unknown_variables()
     backend = _create(dist_backend_opts, backend_options)
     # Where the group's ranks are in the world, for the metadata profiler traces carry.
     backend._global_ranks = list(dist_backend_opts.global_ranks_in_group)
