@@ -124,20 +124,43 @@ def test_options_that_cannot_span_nodes_fail_on_every_rank(options, message):
     assert all(message in text for text in got), got
 
 
-def _uneven_lists_refused(rank, world):
-    sizes = [1 + r for r in range(world)]  # a size per rank: one node takes them, nodes do not
-    refused = [raises(lambda: dist.all_gather([torch.empty(n) for n in sizes], torch.ones(sizes[rank])), ValueError),
-               raises(lambda: dist.reduce_scatter(torch.empty(sizes[rank]), [torch.ones(n) for n in sizes]),
-                      ValueError)]
+def _lists_of_several_sizes(rank, world):
+    """A slot per rank of its own size, as NCCL takes them: they go whole to gloo over every rank
+    (all_gather as a broadcast from each rank in turn), NaNs winning MAX; then calls of one size
+    take the stages again."""
+    sizes = [1 + 2 * r for r in range(world)]
+    errors = []
+    for dtype in (torch.float32, torch.int64):
+        inputs = [make_input(7, r, sizes[r], dtype, "SUM") for r in range(world)]
+        outs = [torch.zeros(n, dtype=dtype) for n in sizes]
+        dist.all_gather(outs, inputs[rank].clone())
+        errors += [mismatch(f"all_gather {dtype}, rank {r}'s slot", outs[r], inputs[r], 1) for r in range(world)]
+        for case, op in enumerate(("SUM", "MAX", "PREMUL_SUM" if dtype.is_floating_point else "MIN")):
+            lists = [[make_input(100 + 10 * case + r, j, sizes[j], dtype, "MAX" if op == "MAX" else "SUM")
+                      for j in range(world)] for r in range(world)]
+            if op == "MAX" and dtype.is_floating_point:
+                for slot in lists[world - 1]:
+                    slot[0] = float("nan")  # the last rank's NaNs win, in every slot
+            reduce_op = dist._make_nccl_premul_sum(0.5) if op == "PREMUL_SUM" else getattr(dist.ReduceOp, op)
+            out = torch.empty(sizes[rank], dtype=dtype)
+            dist.reduce_scatter(out, [t.clone() for t in lists[rank]], op=reduce_op)
+            mine = [lists[r][rank] for r in range(world)]
+            want = (reduce_reference([t * 0.5 for t in mine], "SUM") if op == "PREMUL_SUM"
+                    else reduce_reference(mine, op))
+            if op == "MAX" and dtype.is_floating_point:
+                errors.append(None if out[0].isnan() else f"reduce_scatter MAX: got {out[0].item()} for a NaN")
+                out, want = out[1:], want[1:]
+            errors.append(mismatch(f"reduce_scatter {op} {dtype}", out, want, world))
     outs = [torch.empty(2) for _ in range(world)]
-    dist.all_gather(outs, torch.full((2,), float(rank)))  # nothing was started: the group goes on
-    return refused, [o.tolist() for o in outs]
+    dist.all_gather(outs, torch.full((2,), float(rank)))
+    errors += [mismatch(f"all_gather of one size, rank {r}'s slot", outs[r], torch.full((2,), float(r)), 1)
+               for r in range(world)]
+    return [e for e in errors if e]
 
 
-def test_list_forms_with_a_size_per_rank_are_refused_across_nodes():
-    for refused, gathered in run_ranks(_uneven_lists_refused, 2, env_per_rank=_node_env(["a", "b"])):
-        assert all("across nodes every rank's must have the same size" in m for m in refused), refused
-        assert gathered == [[0.0, 0.0], [1.0, 1.0]]
+@pytest.mark.parametrize("layout", [["a", "b"], ["a", "b", "a", "b"], ["a", "a", "b"]], ids=["ab", "abab", "aab"])
+def test_list_forms_with_a_size_per_rank_across_nodes(layout):
+    assert run_ranks(_lists_of_several_sizes, len(layout), env_per_rank=_node_env(layout)) == [[]] * len(layout)
 
 
 def _meta_tensor_refused(rank, world):

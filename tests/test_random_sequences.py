@@ -176,15 +176,18 @@ def _premul_sum(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
 
 
 def _list_forms(rnd, rank, world, dev, group, case, dtype, op, numel, async_op):
-    """all_gather into a list of tensors, or reduce_scatter from one."""
+    """all_gather into a list of tensors, or reduce_scatter from one; half of them with a slot of
+    its own size per rank, as NCCL takes them."""
     n = max(1, numel // world)
+    sizes = [n + r for r in range(world)] if rnd.random() < 0.5 else [n] * world
     if rnd.random() < 0.5:
-        inputs = [make_input(case, r, n, dtype, "SUM") for r in range(world)]
-        outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(world)]
+        inputs = [make_input(case, r, sizes[r], dtype, "SUM") for r in range(world)]
+        outs = [torch.empty(size, dtype=dtype, device=dev) for size in sizes]
         work = dist.all_gather(outs, inputs[rank].to(dev), group=group, async_op=async_op)
-        return [(work if r == 0 else None, f"all_gather list [{r}]", out, inputs[r], 1) for r, out in enumerate(outs)]
-    inputs = [[make_input(case * 10 + j, r, n, dtype, op) for j in range(world)] for r in range(world)]
-    out = torch.empty(n, dtype=dtype, device=dev)
+        return [(work if r == 0 else None, f"all_gather list {sizes} [{r}]", out, inputs[r], 1)
+                for r, out in enumerate(outs)]
+    inputs = [[make_input(case * 10 + j, r, sizes[j], dtype, op) for j in range(world)] for r in range(world)]
+    out = torch.empty(sizes[rank], dtype=dtype, device=dev)
     work = dist.reduce_scatter(out, [t.to(dev) for t in inputs[rank]], op=OPS[op], group=group, async_op=async_op)
     return [(work, f"reduce_scatter list op={op}", out, reduce_reference([inputs[r][rank] for r in range(world)], op),
              world)]

@@ -351,13 +351,6 @@ std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count) {
   return counts;
 }
 
-void check_even(const std::vector<size_t>& counts, size_t numel, const char* what, const char* op) {
-  for (size_t count : counts) {
-    TORCH_CHECK_VALUE(count == numel, "hca ", op, ": ", what, " of ", count, " elements where this rank's has ", numel,
-                      ": across nodes every rank's must have the same size (within a node they may differ)");
-  }
-}
-
 StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
                                             std::vector<std::vector<at::Tensor>>& inputs, int rank, int size) {
   TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "

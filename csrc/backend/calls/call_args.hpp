@@ -147,8 +147,6 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
                              int size);
 // The element counts of tensors [first, first + count) of a call.
 std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count);
-// ValueError unless every count is `numel` (list forms across nodes, whose stages take equal parts).
-void check_even(const std::vector<size_t>& counts, size_t numel, const char* what, const char* op);
 
 // reduce_scatter's list form: its inputs stacked into one tensor (a copy), each
 // input's element count, and the list as text ("Float[2+3+2]").

@@ -6,6 +6,7 @@
 #include <optional>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "../calls/call_args.hpp"
 #include "../calls/call_record.hpp"
 #include "../calls/issue_order.hpp"
 #include "../calls/stream_call.hpp"
@@ -82,6 +83,13 @@ bool nans_go_round(c10d::ReduceOp::RedOpType op, const std::vector<at::Tensor>& 
 at::Tensor nan_mask(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
 void put_nans_back(const std::vector<at::Tensor>& results, const at::Tensor& mask, c10d::ReduceOp::RedOpType op);
 
+// Whether `tensors` are all of one size (a list form's slots).
+bool one_size(const std::vector<at::Tensor>& tensors);
+// PREMUL_SUM where the engine is gloo, which lacks it: its factor (`name`: the call), where the
+// engine sums and hca multiplies the results by it after, in the call's turn (as AVG divides
+// after the sum); none for CUDA tensors (NCCL has PREMUL_SUM and gets it as it is) or another op.
+std::optional<PremulFactor> post_scale(const c10d::ReduceOp& op, const std::vector<at::Tensor>& tensors,
+                                       const char* name);
 // Shuts down (or aborts) each engine there is.
 void end_engines(Engines& engines, bool abort);
 // Sets the default timeout of each engine there is.
@@ -175,6 +183,56 @@ class EngineBackend : public c10d::Backend {
   // elements as its split, and the results copied into the outputs after.
   EngineCall alltoall_in_one(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
                              const c10d::AllToAllOptions& opts);
+  // Collectives handed whole to the engine of their tensors' device (engine_collectives.cpp):
+  // the list all_gather, and the reduce-scatters, list, tensor and coalesced. gloo's results
+  // get what gloo lacks (post_scale, nans_go_round, allgather_by_broadcasts).
+  c10::intrusive_ptr<c10d::Work> allgather_by_engine(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_by_engine(std::vector<at::Tensor>& outputs,
+                                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                                          const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base_by_engine(at::Tensor& output, at::Tensor& input,
+                                                               const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced_by_engine(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::ReduceScatterOptions& opts);
+  // The engine's options for a reduce or reduce-scatter: SUM where `scale` multiplies after.
+  template <typename Options>
+  static Options summing(const Options& opts, const std::optional<PremulFactor>& scale) {
+    Options engine_opts = opts;
+    if (scale) engine_opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    return engine_opts;
+  }
+  // A reduction's `engine_work` into `sums` (the engine's outputs: the caller's, or dense
+  // copies that `written` writes back), then the scale where there is one, then the write-back.
+  static EngineCall scaled_after(c10::intrusive_ptr<c10d::Work> engine_work, std::vector<at::Tensor> sums,
+                                 const std::optional<PremulFactor>& scale, EngineTensors written);
+  // A reduce-scatter through gloo: `reduce(outs, ins, opts)`, then the scale or the write-back
+  // (scaled_after). Where gloo's MIN or MAX would drop a NaN (nans_go_round), `reduce` runs
+  // alike on the tensors' NaN masks (masks_of) after it, and the NaNs are put back first.
+  template <typename Inputs, typename Reduce>
+  static EngineCall reduce_scatter_through(std::vector<at::Tensor> outs, Inputs ins,
+                                           const c10d::ReduceScatterOptions& opts,
+                                           const std::optional<PremulFactor>& scale, EngineTensors written,
+                                           Reduce reduce);
+  // Each tensor's NaN mask (nan_mask), of its shape, for the same call on them.
+  static std::vector<at::Tensor> masks_of(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+  static std::vector<std::vector<at::Tensor>> masks_of(const std::vector<std::vector<at::Tensor>>& lists,
+                                                       c10d::ReduceOp::RedOpType op);
+  // `call`, then, once `masks_work` (that call on `masks`) is done, the NaNs they mark put back
+  // into `results` (the engine's outputs), before `call`'s own step (a write-back).
+  static EngineCall with_nans_put_back(EngineCall call, c10::intrusive_ptr<c10d::Work> masks_work,
+                                       std::vector<at::Tensor> results, std::vector<at::Tensor> masks,
+                                       c10d::ReduceOp::RedOpType op);
+  // An all_gather into slots of different sizes on CPU tensors (dense, flat: `slots`, `input`),
+  // which gloo's all_gather refuses: a gloo broadcast from each rank in turn into its slot, as
+  // NCCL gathers such slots; this rank's input is copied into its own slot after. `timeout`: the call's.
+  EngineCall allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input,
+                                     std::chrono::milliseconds timeout, EngineTensors written);
+  // What the ranks of a reduce-scatter agree on (`outputs`: their text).
+  static CallTerms reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,
+                                        const c10d::ReduceScatterOptions& opts);
   // The TypeError for a CPU tensor of a dtype gloo does not move, raised on the caller's thread.
   static void check_engine_dtypes(const CommsCall& call, const char* op);
   // Before an engine gets a call on `tensors` (on this thread, at once): on a CUDA device,

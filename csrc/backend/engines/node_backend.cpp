@@ -398,11 +398,11 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
+  if (uneven_list(outputs, inputs.size())) return allgather_by_engine(outputs, inputs, opts);
   CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
   auto& list = outputs[0];
   const size_t input = list.size();
   const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
-  check_even(numels(args, 0, list.size()), static_cast<size_t>(k), "an output tensor", "allgather");
   check_device(args.device(), "allgather");
   auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
     auto agreed = agree_among_leaders({0}, args.device(), "all_gather(" + args.text(0, args.descs().size()) + ")");
@@ -444,8 +444,8 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std:
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
+  if (uneven_list(inputs, outputs.size())) return reduce_scatter_by_engine(outputs, inputs, opts);
   StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
-  check_even(stacked.counts, static_cast<size_t>(outputs[0].numel()), "an input tensor", "reduce_scatter");
   std::vector<at::Tensor> outs{outputs[0]}, ins{stacked.tensor};
   return reduce_scatter_tensor_coalesced(outs, ins, opts);
 }

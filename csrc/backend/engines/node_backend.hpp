@@ -93,6 +93,12 @@ class NodeBackend : public EngineBackend {
   static c10d::ReduceOp staged_op(const CallArgs& args, const c10d::ReduceOp& op) {
     return args.premultiplies() ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
   }
+  // Whether a list form (one list of `lists`, beside `others` tensors: one) has a slot per
+  // rank of several sizes, as NCCL takes them: the stages move blocks of one size, so such
+  // calls go whole to the engines over every rank (allgather_by_engine, reduce_scatter_by_engine).
+  bool uneven_list(const std::vector<std::vector<at::Tensor>>& lists, size_t others) const {
+    return lists.size() == 1 && others == 1 && static_cast<int>(lists[0].size()) == getSize() && !one_size(lists[0]);
+  }
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 
