@@ -578,13 +578,13 @@ def misfit_messages(rank, world, group=None):
 
 
 def messages_posted_ahead(rank, world, group=None):
-    """Rank 0 posts every receive before it waits for any: three from each other rank on one tag
-    (sizes 10, 1000 and 5, random data), then one from any source per other rank on another tag.
-    Each gets its own message whole (in the sender's order), however many are posted from one
-    sender and tag. Where gloo carries the messages, as here, tags outside [0, 2^30) are
+    """Rank 0 posts every receive before it waits for any: 300 from each other rank on one tag
+    (sizes 10, 1000 and 5 in turn, random data), then one from any source per other rank on
+    another tag. Each gets its own message whole (in the sender's order), however many are posted
+    from one sender and tag, whichever receive learns of its message first. Where gloo carries the messages, as here, tags outside [0, 2^30) are
     ValueErrors at the call (hca sends descriptions with the tag plus 2^30). The errors found."""
-    sizes = (10, 1000, 5)
-    sent = {(r, k): make_input(600 + 3 * r + k, r, n, torch.float32, "SUM") for r in range(1, world)
+    sizes = (10, 1000, 5) * 100
+    sent = {(r, k): make_input(600 + 1000 * r + k, r, n, torch.float32, "SUM") for r in range(1, world)
             for k, n in enumerate(sizes)}
     if rank != 0:
         works = [dist.isend(sent[(rank, k)], 0, group=group, tag=5) for k in range(len(sizes))]

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <functional>
+#include <future>
 #include <thread>
 
 #include "../calls/work_hca.hpp"
@@ -65,10 +67,30 @@ class DescribedSend final : public c10d::Work {
 }  // namespace
 
 struct DescribedMessages::Order {
+  using Pair = std::pair<int, int>;  // (peer, tag)
+  // Posts the bytes' receive of message `number` from `from` in its turn: at once where every
+  // earlier one is posted (and then those that waited for it), else by the receive before it.
+  // Only the receives of that pair wait, each for its own turn (waking every waiting receive
+  // at each post made many posted receives cost time quadratic in their number).
+  void post_in_turn(Pair from, int64_t number, std::function<void()> post) {
+    std::lock_guard<std::mutex> lock(mutex);
+    Received& pair = received[from];
+    pair.waiting.emplace(number, std::move(post));
+    for (auto next = pair.waiting.find(pair.posted); next != pair.waiting.end();
+         next = pair.waiting.find(pair.posted)) {
+      next->second();
+      pair.waiting.erase(next);
+      ++pair.posted;
+    }
+  }
+
   std::mutex mutex;
-  std::condition_variable posted_changed;
-  std::map<std::pair<int, int>, int64_t> sent;    // (peer, tag): messages sent
-  std::map<std::pair<int, int>, int64_t> posted;  // (source, tag): bytes' receives posted
+  std::map<Pair, int64_t> sent;  // messages sent
+  struct Received {
+    int64_t posted = 0;                                 // bytes' receives posted
+    std::map<int64_t, std::function<void()>> waiting;  // by message number, for their turn
+  };
+  std::map<Pair, Received> received;
 };
 
 DescribedMessages::DescribedMessages(int rank) : rank_(rank), order_(std::make_shared<Order>()) {}
@@ -107,16 +129,16 @@ c10::intrusive_ptr<c10d::Work> DescribedMessages::recv(c10d::Backend& engine, co
       const int64_t sent_numel = described[0][1].item<int64_t>(), number = described[0][2].item<int64_t>();
       const bool fits = sent_type == tensor.scalar_type() && sent_numel == tensor.numel();
       std::vector<at::Tensor> into{engine_bytes(fits ? tensor : at::empty({sent_numel}, sent_type), "recv")};
-      c10::intrusive_ptr<c10d::Work> bytes_work;
-      {
-        std::unique_lock<std::mutex> lock(order->mutex);
-        int64_t& posted = order->posted[{source, tag}];
-        order->posted_changed.wait(lock, [&] { return posted == number; });
-        bytes_work = keep_engine->recv(into, source, tag);
-        ++posted;
-      }
-      order->posted_changed.notify_all();
-      bytes_work->wait();
+      // Run here or on the thread of the receive before it; this thread waits for it.
+      std::promise<c10::intrusive_ptr<c10d::Work>> posted;
+      order->post_in_turn({source, tag}, number, [&] {
+        try {
+          posted.set_value(keep_engine->recv(into, source, tag));
+        } catch (...) {
+          posted.set_exception(std::current_exception());
+        }
+      });
+      posted.get_future().get()->wait();
       TORCH_CHECK_VALUE(fits, "hca recv: rank ", source, " sent ", sent_numel, " x ", dtype_text(sent_type),
                         " with tag ", tag, ", but this recv expects ", tensor.numel(), " x ",
                         dtype_text(tensor.scalar_type()));

@@ -14,7 +14,6 @@
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
