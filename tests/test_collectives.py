@@ -452,7 +452,7 @@ def test_premul_sum(world, device):
         assert errors == []
         assert "ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in ints, ints
         if device != "cuda":
-            assert "hca allreduce: ReduceOp.PREMUL_SUM is not supported for Int (floating dtypes only)" in passthrough
+            assert "hca allreduce: ReduceOp.PREMUL_SUM is not supported for int32 (floating dtypes only)" in passthrough
 
 
 @pytest.mark.parametrize("nodes", ["aab", "abab"])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
-from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, raises, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, group_kind, raises, run_ranks
 from netns import pid_namespaces_unavailable, run_in_pid_namespaces
 from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
@@ -75,6 +75,44 @@ def test_bad_input_gives_clear_errors():
         assert "different dtypes" in msgs["gather dtype"], msgs
         assert "the output has dtype Float but the input has Long" in msgs["flat gather dtype"], msgs
         assert msgs["still works"] == "" and msgs["complex sum"] == "", msgs
+
+
+def _misshapen_list_forms(rank, world):
+    """The list forms with a tensor too few, or this rank's slot of another size than its tensor,
+    and a PREMUL_SUM of integers; then a call that must still work."""
+    def empties(count, size=2, dtype=torch.float32):
+        return [torch.empty(size, dtype=dtype) for _ in range(count)]
+
+    msgs = {name: raises(call, ValueError) for name, call in {
+        "all_gather, a tensor too few": lambda: dist.all_gather(empties(world - 1), torch.ones(2)),
+        "all_gather, its slot": lambda: dist.all_gather(empties(world), torch.ones(3)),
+        "reduce_scatter, a tensor too few": lambda: dist.reduce_scatter(torch.empty(2), empties(world - 1)),
+        "reduce_scatter, its slot": lambda: dist.reduce_scatter(torch.empty(3), empties(world)),
+        "reduce_scatter, PREMUL_SUM of int64": lambda: dist.reduce_scatter(
+            torch.empty(2, dtype=torch.int64), empties(world, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0)),
+    }.items()}
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    return msgs, t.tolist()
+
+
+@pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
+def test_misshapen_list_forms_are_value_errors_at_the_call(where):
+    """As hca's own algorithms name them, where gloo carries the call too (the pass-through, and
+    across nodes a list of several sizes): before, gloo's own check failed there, or the ranks
+    reported mismatched calls."""
+    world = 4 if where == "2 nodes" else 3
+    want = {"all_gather, a tensor too few": f"hca allgather: the output list has {world - 1} tensors, expected one "
+                                            f"per rank ({world})",
+            "all_gather, its slot": "hca allgather: this rank's output tensor has 2 elements, expected 3",
+            "reduce_scatter, a tensor too few": f"hca reduce_scatter: the input list has {world - 1} tensors, "
+                                                f"expected one per rank ({world})",
+            "reduce_scatter, its slot": "hca reduce_scatter: this rank's input tensor has 2 elements, expected 3",
+            "reduce_scatter, PREMUL_SUM of int64": "hca reduce_scatter: ReduceOp.PREMUL_SUM is not supported for "
+                                                   "int64 (floating dtypes only)"}
+    for msgs, after in run_ranks(_misshapen_list_forms, world, **group_kind(where)):
+        assert {name: msgs[name] for name in want} == want
+        assert after == [world, world]
 
 
 def _aliasing(rank, world, device):

@@ -214,7 +214,8 @@ def _refused_before_the_engine(rank, world):
     if world > 1:  # slots of different sizes, every rank's input fitting none (so the ranks agree on the call)
         msgs["all_gather of inputs that fit no slot"] = (
             raises(lambda: dist.all_gather([torch.zeros(r + 1) for r in range(world)], torch.ones(world + 1)),
-                   ValueError), f"this rank's input has {world + 1} elements but its output tensor {rank + 1}")
+                   ValueError),
+            f"hca allgather: this rank's output tensor has {rank + 1} elements, expected {world + 1}")
     own = torch.ones(3)  # gloo would fail with "Pair is not connected"
     for call, fn in {"isend to itself": lambda: dist.isend(own, rank),
                      "irecv from itself": lambda: dist.irecv(own, rank)}.items():

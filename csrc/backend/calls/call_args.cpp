@@ -308,10 +308,10 @@ CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std
 }
 
 CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                                    int rank, int size) {
-  CallArgs args = paired_args("reduce_scatter_tensor", outputs, inputs,
+                                    int rank, int size, const char* name) {
+  CallArgs args = paired_args(name, outputs, inputs,
                               [rank](const at::Tensor& out, const at::Tensor& in) { return is_chunk(out, in, rank); });
-  check_tensor_form(inputs, outputs, size, "input", "output", "reduce_scatter_tensor");
+  check_tensor_form(inputs, outputs, size, "input", "output", name);
   return args;
 }
 
@@ -319,13 +319,26 @@ bool is_sparse_call(const std::vector<at::Tensor>& tensors) {
   return tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() != at::kStrided;
 }
 
+void check_list_form(const std::vector<at::Tensor>& ones, const std::vector<std::vector<at::Tensor>>& lists, int rank,
+                     int size, const char* one, const char* slot, const char* op) {
+  TORCH_CHECK_VALUE(ones.size() == 1 && lists.size() == 1, "hca ", op, ": expects one ", one, " tensor and one ", slot,
+                    " list, got ", ones.size(), " and ", lists.size());
+  const auto& list = lists[0];
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "hca ", op, ": the ", slot, " list has ", list.size(),
+                    " tensors, expected one per rank (", size, ")");
+  const std::string like = std::string("the ") + one;
+  for (int j = 0; j < size; ++j) {
+    const bool own = j == rank;  // the others may differ in size, as NCCL takes them
+    const std::string what = std::string(own ? "this rank's " : "an ") + slot + " tensor";
+    TORCH_CHECK_VALUE(list[j].defined(), "hca ", op, ": ", what, " ", j, " is undefined");
+    check_like(list[j], ones[0], own ? ones[0].numel() : list[j].numel(), what.c_str(), op, like.c_str());
+  }
+}
+
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int rank,
                              int size) {
-  TORCH_CHECK_VALUE(inputs.size() == 1 && outputs.size() == 1, "hca allgather: expects one input tensor and one "
-                    "output list, got ", inputs.size(), " and ", outputs.size());
+  check_list_form(inputs, outputs, rank, size, "input", "output", "allgather");
   auto& list = outputs[0];
-  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size, "hca allgather: the output list has ", list.size(),
-                    " tensors, expected one per rank (", size, ")");
   // In place where the input is this rank's own output; elsewhere an input that shares memory
   // with an output is read from a copy.
   const at::Tensor& own = list[rank];
@@ -334,15 +347,9 @@ CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std:
   std::vector<at::Tensor> all = list;
   all.push_back(in_place ? inputs[0] : apart_from(inputs[0], list));
   const size_t input = list.size();
-  CallArgs args("allgather", all, [input, rank, in_place](const std::vector<at::Tensor>&, size_t i, size_t j) {
+  return CallArgs("allgather", all, [input, rank, in_place](const std::vector<at::Tensor>&, size_t i, size_t j) {
     return i == input || (in_place && j == input && i == static_cast<size_t>(rank));
   });
-  for (size_t j = 0; j < list.size(); ++j) {
-    const bool own = j == static_cast<size_t>(rank);  // the others may differ in size, as NCCL takes them
-    args.check_like(j, input, static_cast<int64_t>(args.descs()[own ? input : j].numel),
-                    own ? "this rank's output tensor" : "an output tensor");
-  }
-  return args;
 }
 
 std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count) {
@@ -353,21 +360,12 @@ std::vector<size_t> numels(const CallArgs& args, size_t first, size_t count) {
 
 StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
                                             std::vector<std::vector<at::Tensor>>& inputs, int rank, int size) {
-  TORCH_CHECK_VALUE(outputs.size() == 1 && inputs.size() == 1, "hca reduce_scatter: expects one output tensor "
-                    "and one input list");
-  TORCH_CHECK_VALUE(static_cast<int>(inputs[0].size()) == size, "hca reduce_scatter: the input list has ",
-                    inputs[0].size(), " tensors, expected one per rank (", size, ")");
+  check_list_form(outputs, inputs, rank, size, "output", "input", "reduce_scatter");
   std::vector<at::Tensor> all{outputs[0]};
   all.insert(all.end(), inputs[0].begin(), inputs[0].end());
   // The inputs are copied before anything is written: they may share memory with anything.
   const CallArgs checked("reduce_scatter", all,
                          [](const std::vector<at::Tensor>&, size_t i, size_t j) { return i > 0 || j > 0; });
-  for (size_t j = 1; j < all.size(); ++j) {
-    // Input j is reduced into rank j's output: only this rank's must match it.
-    const bool own = j == static_cast<size_t>(rank) + 1;
-    checked.check_like(j, 0, static_cast<int64_t>(checked.descs()[own ? 0 : j].numel),
-                       own ? "this rank's input tensor" : "an input tensor");
-  }
   // Stacked so that one plan addresses every input; the copy costs one pass.
   return {at::cat(inputs[0]).reshape({-1}), numels(checked, 1, inputs[0].size()), checked.text(1, inputs[0].size())};
 }

@@ -135,14 +135,19 @@ void check_rank(int64_t rank, int size, const char* what, const char* op);
 CallArgs allgather_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int rank,
                                int size);
 // reduce_scatter_tensor: each input holds `size` outputs (in place: the output
-// is the input's chunk `rank`).
+// is the input's chunk `rank`). `name`: the call's, in errors.
 CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                                    int rank, int size);
+                                    int rank, int size, const char* name = "reduce_scatter_tensor");
 // A call of one sparse tensor (allreduce's sparse form).
 bool is_sparse_call(const std::vector<at::Tensor>& tensors);
-// allgather's list form checked (one input, one output list of one tensor per
-// rank, each of the input's dtype, output `rank` of its size too; in place: the
-// input is output `rank`): the call's arguments, the list first, the input last.
+// The list forms' shape, for call `op`: one tensor (`ones`: "input" of all_gather, "output"
+// of reduce_scatter) and one list (`lists`) of a tensor per rank, each of the one's dtype,
+// tensor `rank` of its size too (the others may differ in size, as NCCL takes them).
+// ValueError or TypeError naming what differs.
+void check_list_form(const std::vector<at::Tensor>& ones, const std::vector<std::vector<at::Tensor>>& lists, int rank,
+                     int size, const char* one, const char* slot, const char* op);
+// allgather's list form checked (check_list_form; in place: the input is output
+// `rank`): the call's arguments, the list first, the input last.
 CallArgs allgather_list_args(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs, int rank,
                              int size);
 // The element counts of tensors [first, first + count) of a call.
@@ -155,8 +160,7 @@ struct StackedInputs {
   std::vector<size_t> counts;
   std::string text;
 };
-// Checks the list form (one output, one input per rank, each of the output's
-// dtype, input `rank` of its size too) and stacks its inputs.
+// Checks the list form (check_list_form) and stacks its inputs.
 StackedInputs stacked_reduce_scatter_inputs(std::vector<at::Tensor>& outputs,
                                             std::vector<std::vector<at::Tensor>>& inputs, int rank, int size);
 // The address `elements` elements into a dense tensor.

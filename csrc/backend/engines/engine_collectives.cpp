@@ -22,40 +22,25 @@ std::optional<PremulFactor> post_scale(const c10d::ReduceOp& op, const std::vect
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM || tensors.empty() || !tensors[0].is_cpu()) return std::nullopt;
   for (const auto& t : tensors) {
     TORCH_CHECK_VALUE(at::isFloatingType(t.scalar_type()), "hca ", name, ": ReduceOp.PREMUL_SUM is not supported for ",
-                      t.scalar_type(), " (floating dtypes only)");
+                      c10::getDtypeNames(t.scalar_type()).first, " (floating dtypes only)");
   }
   return PremulFactor::of(op, name, at::kCPU);
 }
 
-namespace {
-
-// This rank's own tensor in a list form whose slots may differ in size from rank to rank
-// (reduce_scatter's output, all_gather's input: this rank's slot of a list every rank
-// passes alike): "its slot" where it fits that slot, so that such ranks agree; else its
-// size, which names it where the ranks disagree.
-std::string own_slot_text(const at::Tensor& own, const std::vector<at::Tensor>& slots, int rank) {
-  const bool fits = static_cast<size_t>(rank) < slots.size() && own.scalar_type() == slots[rank].scalar_type() &&
-                    own.numel() == slots[rank].numel();
-  return fits ? "its slot" : tensors_text({own});
-}
-
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_by_engine(std::vector<std::vector<at::Tensor>>& outputs,
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "allgather");
+  check_list_form(inputs, outputs, getRank(), getSize(), "input", "output", "allgather");
   const auto flat_outputs = flattened(outputs);
-  const bool one_list = inputs.size() == 1 && outputs.size() == 1;
-  CallTerms terms{"all_gather(" + (one_list ? own_slot_text(inputs[0], outputs[0], getRank()) : tensors_text(inputs)) +
-                  " -> " + tensors_text(flat_outputs) + ")"};
+  // This rank's input is its slot of a list every rank passes alike (the slots may differ in
+  // size from rank to rank): so that such ranks agree.
+  CallTerms terms{"all_gather(its slot -> " + tensors_text(flat_outputs) + ")"};
   return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
-               opts.asyncOp, [this, outputs, inputs, opts, one_list] {
+               opts.asyncOp, [this, outputs, inputs, opts] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather"));
                  auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
-                 if (one_list && ins[0].is_cpu() && static_cast<int>(outs[0].size()) == getSize() &&
-                     !one_size(outs[0])) {
+                 if (ins[0].is_cpu() && !one_size(outs[0])) {
                    return allgather_by_broadcasts(outs[0], ins[0], opts.timeout, std::move(written));
                  }
                  return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
@@ -66,10 +51,6 @@ EngineBackend::EngineCall EngineBackend::allgather_by_broadcasts(std::vector<at:
                                                                  std::chrono::milliseconds timeout,
                                                                  EngineTensors written) {
   const int rank = getRank();
-  // Every rank's input misfits alike where the ranks agreed on a misfit (see own_slot_text): so
-  // every rank raises, before gloo would get a message longer than a slot (it aborts the process).
-  TORCH_CHECK_VALUE(input.numel() == slots[rank].numel(), "hca allgather: this rank's input has ", input.numel(),
-                    " elements but its output tensor ", slots[rank].numel());
   auto& gloo = cpu_engine("allgather");
   c10::intrusive_ptr<c10d::Work> last;
   for (int r = 0; r < getSize(); ++r) {
@@ -105,16 +86,14 @@ EngineBackend::EngineCall EngineBackend::reduce_scatter_through(std::vector<at::
 c10::intrusive_ptr<c10d::Work> EngineBackend::reduce_scatter_by_engine(std::vector<at::Tensor>& outputs,
                                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                                        const c10d::ReduceScatterOptions& opts) {
-  check_nonempty(outputs.size(), "the output list", "reduce_scatter");
+  check_list_form(outputs, inputs, getRank(), getSize(), "output", "input", "reduce_scatter");
   const auto flat_inputs = flattened(inputs);
   check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
   check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
   const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
-  // gloo, as NCCL, takes slots of different sizes: each rank's output is its own.
-  const auto own = outputs.size() == 1 && inputs.size() == 1 ? own_slot_text(outputs[0], flat_inputs, getRank())
-                                                              : tensors_text(outputs);
+  // gloo, as NCCL, takes slots of different sizes: each rank's output is its own slot.
   return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
-               reduce_scatter_terms(flat_inputs, own, opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
+               reduce_scatter_terms(flat_inputs, "its slot", opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
                  EngineTensors written;
                  auto outs = flat_for_gloo(written.outputs(outputs));
                  auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));

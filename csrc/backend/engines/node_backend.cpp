@@ -446,8 +446,9 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tenso
                                                            const c10d::ReduceScatterOptions& opts) {
   if (uneven_list(inputs, outputs.size())) return reduce_scatter_by_engine(outputs, inputs, opts);
   StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
-  std::vector<at::Tensor> outs{outputs[0]}, ins{stacked.tensor};
-  return reduce_scatter_tensor_coalesced(outs, ins, opts);
+  std::vector<at::Tensor> ins{stacked.tensor};
+  return reduce_scatter_staged(outputs, ins, opts, {"reduce_scatter", flattened(inputs), outputs},
+                               c10d::OpType::REDUCE_SCATTER, "reduce_scatter");
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -459,12 +460,21 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& out
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
+  return reduce_scatter_staged(outputs, inputs, opts, {"reduce_scatter_tensor_coalesced", inputs, outputs},
+                               c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor");
+}
+
+c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_staged(std::vector<at::Tensor>& outputs,
+                                                                  std::vector<at::Tensor>& inputs,
+                                                                  const c10d::ReduceScatterOptions& opts,
+                                                                  const CommsCall& call, c10d::OpType type,
+                                                                  const char* name) {
+  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize(), name);
   const size_t n = outputs.size();
   const Scaled copies_of_inputs{n, inputs.size(), true};
   args.reduce_op(opts.reduceOp, &copies_of_inputs);
-  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
-  check_device(args.device(), "reduce_scatter_tensor");
+  check_engine_reduction(inputs, opts.reduceOp, name);
+  check_device(args.device(), name);
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
     args.premultiply();
     auto agreed = agree_among_leaders(
@@ -475,9 +485,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std:
     }
     args.write_back();
   };
-  return record({"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::_REDUCE_SCATTER_BASE, args, outputs, std::move(body), opts.asyncOp);
-  });
+  return record(call, opts.asyncOp, [&] { return launch(type, args, outputs, std::move(body), opts.asyncOp); });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -111,6 +111,12 @@ class NodeBackend : public EngineBackend {
   // node's leader, which scatters them inside its node.
   void reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
                              std::chrono::milliseconds timeout, LeadersAgreement& agreed);
+  // reduce_scatter_tensor_coalesced's stages, for it and for the list form (its inputs
+  // stacked): `call`, `type` and `name` are the form's, for the profiler and in errors.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_staged(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::ReduceScatterOptions& opts, const CommsCall& call,
+                                                       c10d::OpType type, const char* name);
   // allgather of one dense input into one dense output of world blocks.
   void allgather_stages(at::Tensor& output, at::Tensor& input, std::chrono::milliseconds timeout,
                         LeadersAgreement& agreed);
