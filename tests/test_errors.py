@@ -77,9 +77,10 @@ def test_bad_input_gives_clear_errors():
         assert msgs["still works"] == "" and msgs["complex sum"] == "", msgs
 
 
-def _misshapen_list_forms(rank, world):
-    """The list forms with a tensor too few, or this rank's slot of another size than its tensor,
-    and a PREMUL_SUM of integers; then a call that must still work."""
+def _misshapen_calls(rank, world):
+    """The list forms with a tensor too few, or this rank's slot of another size than its tensor, a
+    PREMUL_SUM of integers, all-to-alls whose splits do not fit, roots outside the group; then a
+    call that must still work."""
     def empties(count, size=2, dtype=torch.float32):
         return [torch.empty(size, dtype=dtype) for _ in range(count)]
 
@@ -90,6 +91,13 @@ def _misshapen_list_forms(rank, world):
         "reduce_scatter, its slot": lambda: dist.reduce_scatter(torch.empty(3), empties(world)),
         "reduce_scatter, PREMUL_SUM of int64": lambda: dist.reduce_scatter(
             torch.empty(2, dtype=torch.int64), empties(world, dtype=torch.int64), op=dist._make_nccl_premul_sum(2.0)),
+        "all_to_all_single, rows that do not divide": lambda: dist.all_to_all_single(
+            torch.empty(2 * world + 1), torch.ones(2 * world + 1)),
+        "all_to_all_single, splits that do not add up": lambda: dist.all_to_all_single(
+            torch.empty(2 * world), torch.ones(2 * world), output_split_sizes=[1] * world),
+        "all_to_all, a tensor too few": lambda: dist.all_to_all(empties(world), empties(world - 1)),
+        "broadcast from outside": lambda: dist.broadcast(torch.ones(2), src=world + 3),
+        "reduce to outside": lambda: dist.reduce(torch.ones(2), dst=world + 3),
     }.items()}
     t = torch.ones(2)
     dist.all_reduce(t)
@@ -97,10 +105,11 @@ def _misshapen_list_forms(rank, world):
 
 
 @pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
-def test_misshapen_list_forms_are_value_errors_at_the_call(where):
+def test_misshapen_calls_are_value_errors_at_the_call(where):
     """As hca's own algorithms name them, where gloo carries the call too (the pass-through, and
-    across nodes a list of several sizes): before, gloo's own check failed there, or the ranks
-    reported mismatched calls."""
+    across nodes): before, gloo's own check failed there, or the ranks reported mismatched calls,
+    and an all_to_all_single whose rows did not divide among the ranks reached gloo, which wrote
+    garbage without an error."""
     world = 4 if where == "2 nodes" else 3
     want = {"all_gather, a tensor too few": f"hca allgather: the output list has {world - 1} tensors, expected one "
                                             f"per rank ({world})",
@@ -109,8 +118,17 @@ def test_misshapen_list_forms_are_value_errors_at_the_call(where):
                                                 f"expected one per rank ({world})",
             "reduce_scatter, its slot": "hca reduce_scatter: this rank's input tensor has 2 elements, expected 3",
             "reduce_scatter, PREMUL_SUM of int64": "hca reduce_scatter: ReduceOp.PREMUL_SUM is not supported for "
-                                                   "int64 (floating dtypes only)"}
-    for msgs, after in run_ranks(_misshapen_list_forms, world, **group_kind(where)):
+                                                   "int64 (floating dtypes only)",
+            "all_to_all_single, rows that do not divide": f"hca alltoall_base: the input's first dimension "
+                                                          f"({2 * world + 1}) does not divide into {world} equal "
+                                                          "splits",
+            "all_to_all_single, splits that do not add up": f"hca alltoall_base: the output splits add up to {world} "
+                                                             f"rows, but its first dimension is {2 * world}",
+            "all_to_all, a tensor too few": f"hca alltoall: expects one input and one output tensor per rank "
+                                            f"({world}), got {world - 1} and {world}",
+            "broadcast from outside": f"hca broadcast: src {world + 3} is outside the group of {world} ranks",
+            "reduce to outside": f"hca reduce: dst {world + 3} is outside the group of {world} ranks"}
+    for msgs, after in run_ranks(_misshapen_calls, world, **group_kind(where)):
         assert {name: msgs[name] for name in want} == want
         assert after == [world, world]
 

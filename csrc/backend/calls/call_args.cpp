@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <numeric>
 
 namespace hca {
 namespace {
@@ -96,6 +97,29 @@ void check_nonempty(size_t count, const char* what, const char* op) {
 void check_rank(int64_t rank, int size, const char* what, const char* op) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < size, "hca ", op, ": ", what, " ", rank, " is outside the group of ", size,
                     " ranks");
+}
+
+std::vector<int64_t> rows_per_rank(const at::Tensor& t, const std::vector<int64_t>& splits, int world,
+                                   const char* what) {
+  TORCH_CHECK_VALUE(t.dim() > 0, "hca alltoall_base: the ", what, " must have at least one dimension");
+  if (splits.empty()) {
+    TORCH_CHECK_VALUE(t.size(0) % world == 0, "hca alltoall_base: the ", what, "'s first dimension (", t.size(0),
+                      ") does not divide into ", world, " equal splits");
+    return std::vector<int64_t>(world, t.size(0) / world);
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == world, "hca alltoall_base: ", splits.size(), " ", what,
+                    " splits for ", world, " ranks");
+  for (int64_t s : splits) TORCH_CHECK_VALUE(s >= 0, "hca alltoall_base: a negative ", what, " split (", s, ")");
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TORCH_CHECK_VALUE(total == t.size(0), "hca alltoall_base: the ", what, " splits add up to ", total,
+                    " rows, but its first dimension is ", t.size(0));
+  return splits;
+}
+
+void check_alltoall_lists(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int world) {
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == world && static_cast<int>(outputs.size()) == world,
+                    "hca alltoall: expects one input and one output tensor per rank (", world, "), got ",
+                    inputs.size(), " and ", outputs.size());
 }
 
 at::Tensor apart_from(const at::Tensor& input, const std::vector<at::Tensor>& outputs) {

@@ -140,6 +140,12 @@ CallArgs reduce_scatter_tensor_args(const std::vector<at::Tensor>& outputs, cons
                                     int rank, int size, const char* name = "reduce_scatter_tensor");
 // A call of one sparse tensor (allreduce's sparse form).
 bool is_sparse_call(const std::vector<at::Tensor>& tensors);
+// all_to_all_single's rows of `t` (its `what`: "input", "output") per rank: the splits as
+// given, or equal ones (which must divide); a ValueError where they do not fit `t` or `world`.
+std::vector<int64_t> rows_per_rank(const at::Tensor& t, const std::vector<int64_t>& splits, int world,
+                                   const char* what);
+// all_to_all's lists: one input and one output tensor per rank, else a ValueError.
+void check_alltoall_lists(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, int world);
 // The list forms' shape, for call `op`: one tensor (`ones`: "input" of all_gather, "output"
 // of reduce_scatter) and one list (`lists`) of a tensor per rank, each of the one's dtype,
 // tensor `rank` of its size too (the others may differ in size, as NCCL takes them).

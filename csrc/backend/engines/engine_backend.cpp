@@ -279,6 +279,7 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   check_nonempty(inputs.size(), "the input list", "gather");
+  check_rank(opts.rootRank, getSize(), "dst", "gather");
   const bool root = opts.rootRank == getRank();
   CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) +
                   (root ? root_list_text(outputs, inputs[0], getSize()) : "") + ")"};
@@ -296,6 +297,7 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
   check_nonempty(outputs.size(), "the output list", "scatter");
+  check_rank(opts.rootRank, getSize(), "src", "scatter");
   const bool root = opts.rootRank == getRank();
   CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) +
                   (root ? root_list_text(inputs, outputs[0], getSize()) : "") + ")"};
@@ -311,21 +313,16 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& o
 namespace {
 
 // The elements of each of `size` blocks of `t` along its first dimension: as `splits` gives
-// them (rows), or equal blocks.
+// them (rows), or equal blocks, checked as hca's own all_to_all_single checks them.
 std::vector<int64_t> block_elements(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
                                     const char* what) {
-  TORCH_CHECK_VALUE(splits.empty() || splits.size() == static_cast<size_t>(size), "hca alltoall_base: ", what,
-                    " has ", splits.size(), " entries for ", size, " ranks");
-  const int64_t rows = t.dim() > 0 ? t.size(0) : 1;
-  const int64_t per_row = rows > 0 ? t.numel() / rows : 0;
+  const int64_t per_row = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
   std::vector<int64_t> elements;
-  for (int r = 0; r < size; ++r) elements.push_back((splits.empty() ? rows / size : splits[r]) * per_row);
+  for (int64_t rows : rows_per_rank(t, splits, size, what)) elements.push_back(rows * per_row);
   return elements;
 }
 
-std::vector<int64_t> elements_of(const std::vector<at::Tensor>& tensors, int size, const char* what) {
-  TORCH_CHECK_VALUE(tensors.size() == static_cast<size_t>(size), "hca alltoall: ", tensors.size(), " ", what,
-                    " for ", size, " ranks");
+std::vector<int64_t> elements_of(const std::vector<at::Tensor>& tensors) {
   std::vector<int64_t> elements;
   for (const auto& t : tensors) elements.push_back(t.numel());
   return elements;
@@ -338,8 +335,8 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
   CallTerms terms{"all_to_all_single(" + std::string(c10::toString(input.scalar_type())) + ")",
-                  block_elements(input, input_splits, getSize(), "input_split_sizes"),
-                  block_elements(output, output_splits, getSize(), "output_split_sizes")};
+                  block_elements(input, input_splits, getSize(), "input"),
+                  block_elements(output, output_splits, getSize(), "output")};
   return issue("alltoall_base", {"all_to_all", {input}, {output}, input_splits, output_splits},
                c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp,
                [this, output, input, output_splits, input_splits, opts]() mutable {
@@ -355,9 +352,9 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "alltoall");
-  CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")",
-                  elements_of(inputs, getSize(), "inputs"), elements_of(outputs, getSize(), "outputs")};
+  check_alltoall_lists(outputs, inputs, getSize());
+  CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")", elements_of(inputs),
+                  elements_of(outputs)};
   for (const auto* list : {&inputs, &outputs}) {
     for (const auto& t : *list) {
       check_like(t, inputs[0], t.numel(), list == &inputs ? "an input tensor" : "an output tensor", "alltoall",

@@ -95,6 +95,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce_coalesced(std::vect
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                              const c10d::BroadcastOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "broadcast");
+  check_rank(opts.rootRank, getSize(), "src", "broadcast");
   CallTerms terms{"broadcast(" + tensors_text(tensors) + ", src=" + std::to_string(opts.rootRank) + ")"};
   return issue("broadcast", {"broadcast", tensors, tensors}, c10d::OpType::BROADCAST, std::move(terms), opts.asyncOp,
                [this, tensors, opts] {
@@ -107,6 +108,7 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::broadcast(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::reduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::ReduceOptions& opts) {
   check_nonempty(tensors.size(), "the tensor list", "reduce");
+  check_rank(opts.rootRank, getSize(), "dst", "reduce");
   check_engine_reduction(tensors, opts.reduceOp, "reduce");
   const auto scale = post_scale(opts.reduceOp, tensors, "reduce");
   CallTerms terms{"reduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) +

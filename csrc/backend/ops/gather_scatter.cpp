@@ -3,32 +3,9 @@
 // span is null where its role in that pack never touches it.
 #include <c10/util/Exception.h>
 
-#include <numeric>
-
 #include "../group/process_group_hca.hpp"
 
 namespace hca {
-namespace {
-
-// Rows of `t` per rank: the splits as given, or equal ones (which must divide).
-std::vector<int64_t> rows_per_rank(const at::Tensor& t, const std::vector<int64_t>& splits, int world,
-                                   const char* what) {
-  TORCH_CHECK_VALUE(t.dim() > 0, "hca alltoall_base: the ", what, " must have at least one dimension");
-  if (splits.empty()) {
-    TORCH_CHECK_VALUE(t.size(0) % world == 0, "hca alltoall_base: the ", what, "'s first dimension (", t.size(0),
-                      ") does not divide into ", world, " equal splits");
-    return std::vector<int64_t>(world, t.size(0) / world);
-  }
-  TORCH_CHECK_VALUE(static_cast<int>(splits.size()) == world, "hca alltoall_base: ", splits.size(), " ", what,
-                    " splits for ", world, " ranks");
-  for (int64_t s : splits) TORCH_CHECK_VALUE(s >= 0, "hca alltoall_base: a negative ", what, " split (", s, ")");
-  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
-  TORCH_CHECK_VALUE(total == t.size(0), "hca alltoall_base: the ", what, " splits add up to ", total,
-                    " rows, but its first dimension is ", t.size(0));
-  return splits;
-}
-
-}  // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
@@ -169,9 +146,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
   const int world = getSize();
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == world && static_cast<int>(outputs.size()) == world,
-                    "hca alltoall: expects one input and one output tensor per rank (", world, "), got ",
-                    inputs.size(), " and ", outputs.size());
+  check_alltoall_lists(outputs, inputs, world);
   std::vector<at::Tensor> all = outputs;
   for (const auto& input : apart_from(inputs, outputs)) all.push_back(input);
   CallArgs args("alltoall", all, inputs_from(outputs.size()));
