@@ -95,6 +95,7 @@ def _misshapen_calls(rank, world):
             torch.empty(2 * world + 1), torch.ones(2 * world + 1)),
         "all_to_all_single, splits that do not add up": lambda: dist.all_to_all_single(
             torch.empty(2 * world), torch.ones(2 * world), output_split_sizes=[1] * world),
+        "all_to_all_single of 0-dim tensors": lambda: dist.all_to_all_single(torch.tensor(1.0), torch.tensor(2.0)),
         "all_to_all, a tensor too few": lambda: dist.all_to_all(empties(world), empties(world - 1)),
         "broadcast from outside": lambda: dist.broadcast(torch.ones(2), src=world + 3),
         "reduce to outside": lambda: dist.reduce(torch.ones(2), dst=world + 3),
@@ -124,6 +125,7 @@ def test_misshapen_calls_are_value_errors_at_the_call(where):
                                                           "splits",
             "all_to_all_single, splits that do not add up": f"hca alltoall_base: the output splits add up to {world} "
                                                              f"rows, but its first dimension is {2 * world}",
+            "all_to_all_single of 0-dim tensors": "hca alltoall_base: the input must have at least one dimension",
             "all_to_all, a tensor too few": f"hca alltoall: expects one input and one output tensor per rank "
                                             f"({world}), got {world - 1} and {world}",
             "broadcast from outside": f"hca broadcast: src {world + 3} is outside the group of {world} ranks",

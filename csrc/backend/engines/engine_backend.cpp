@@ -316,9 +316,10 @@ namespace {
 // them (rows), or equal blocks, checked as hca's own all_to_all_single checks them.
 std::vector<int64_t> block_elements(const at::Tensor& t, const std::vector<int64_t>& splits, int size,
                                     const char* what) {
+  const std::vector<int64_t> rows = rows_per_rank(t, splits, size, what);  // checks first: t has a dimension
   const int64_t per_row = t.size(0) > 0 ? t.numel() / t.size(0) : 0;
   std::vector<int64_t> elements;
-  for (int64_t rows : rows_per_rank(t, splits, size, what)) elements.push_back(rows * per_row);
+  for (int64_t r : rows) elements.push_back(r * per_row);
   return elements;
 }
 
