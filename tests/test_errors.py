@@ -206,6 +206,78 @@ def test_mismatched_calls_fail_on_every_rank(world, kind, executor):
         assert elapsed < 5
 
 
+# One rank's call is refused at the call (bad input) while its peers make theirs as it should be:
+# the refused rank's own error, then what its peers raise.
+ONE_RANK_REFUSES = {
+    "a dtype hca does not reduce": (TypeError, "hca allreduce: dtype UInt16 is not supported"),
+    "BAND on floats": (ValueError, "hca allreduce: ReduceOp.BAND is not supported for float32"),
+    "all_gather_into_tensor's output too long": (ValueError, "the output has"),
+    "the gather root's list a tensor short": (ValueError, "the dst rank needs a gather_list of one tensor per rank"),
+    "all_to_all_single's splits one too many": (ValueError, "input splits for"),
+}
+
+
+def _one_rank_refuses(rank, world, timeout_s, algorithm=None):
+    bad = rank == 1
+    calls = {
+        "a dtype hca does not reduce": lambda g: dist.all_reduce(
+            torch.ones(4, dtype=torch.uint16 if bad else torch.float32), group=g),
+        "BAND on floats": lambda g: dist.all_reduce(
+            torch.ones(4), op=dist.ReduceOp.BAND if bad else dist.ReduceOp.SUM, group=g),
+        "all_gather_into_tensor's output too long": lambda g: dist.all_gather_into_tensor(
+            torch.empty(2 * world + bad), torch.ones(2), group=g),
+        "the gather root's list a tensor short": lambda g: dist.gather(
+            torch.ones(2), [torch.empty(2) for _ in range(world - 1)] if bad else None, dst=1, group=g),
+        "all_to_all_single's splits one too many": lambda g: dist.all_to_all_single(
+            torch.empty(world), torch.ones(world), input_split_sizes=[1] * (world + 1) if bad else None, group=g),
+    }
+    seen = {}
+    for name, call in calls.items():
+        options = torch_hca.Options(algorithm) if algorithm else None
+        group = dist.new_group(timeout=timedelta(seconds=timeout_s), pg_options=options)
+        start = time.monotonic()
+        try:
+            call(group)
+            seen[name] = ("no error", "", 0.0)
+        except Exception as e:  # noqa: BLE001
+            seen[name] = (type(e).__name__, str(e), time.monotonic() - start)
+        dist.barrier()  # the default group, untouched
+    return seen
+
+
+@pytest.mark.parametrize("where", ["default", "nccl", "streams"])
+def test_a_call_refused_on_one_rank_fails_its_peers_at_once(where):
+    """Before, the refused rank raised at once and its peers waited for it until the timeout (as
+    NCCL's and gloo's do); now the refusal takes the call's turn, and they raise at once, naming it.
+    (Every rank refusing alike leaves the group usable: test_misshapen_calls_are_value_errors_at_the_call.)"""
+    world, timeout_s = 3, 60
+    kw = {"env": STREAMS_ENV} if where == "streams" else group_kind(where)
+    results = run_ranks(_one_rank_refuses, world, timeout_s, "nccl" if where == "nccl" else None, **kw)
+    for rank, seen in enumerate(results):
+        for name, (error, reason) in ONE_RANK_REFUSES.items():
+            kind, msg, elapsed = seen[name]
+            if rank == 1:
+                assert kind == error.__name__ and reason in msg, (name, kind, msg)
+            else:
+                assert kind == "DistBackendError" and "refused at the call" in msg and reason in msg, (name, msg)
+                assert elapsed < timeout_s / 3, (name, elapsed)
+
+
+def test_across_nodes_a_refusal_reaches_the_refused_ranks_node():
+    """Across nodes, the node's own group carries the refusal: rank 1's node-mate (rank 3) raises
+    naming it; the other node's ranks are not told, and raise by the timeout, as for any failure of
+    another node's stages."""
+    results = run_ranks(_one_rank_refuses, 4, 4, env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"])
+    for name, (error, reason) in ONE_RANK_REFUSES.items():
+        if name in ("the gather root's list a tensor short", "all_to_all_single's splits one too many"):
+            continue  # over every rank through gloo, agreed on: test_a_call_refused_on_one_rank_fails_its_peers_at_once
+        assert results[1][name][0] == error.__name__, (name, results[1][name])
+        kind, msg, _ = results[3][name]
+        assert kind == "DistBackendError" and "refused at the call" in msg and reason in msg, (name, msg)
+        for rank in (0, 2):
+            assert results[rank][name][0] == "DistBackendError", (name, results[rank][name])
+
+
 def _rank_1_lost_mid_collective(rank, world, signum):
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())

@@ -282,6 +282,18 @@ void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, cons
   TORCH_CHECK_VALUE(t.numel() == numel, "hca ", op, ": ", what, " has ", t.numel(), " elements, expected ", numel);
 }
 
+void check_root_list(const std::vector<std::vector<at::Tensor>>& lists, bool is_root, const at::Tensor& like,
+                     const char* like_what, int size, const char* op, const char* list, const char* root) {
+  if (!is_root) {
+    TORCH_CHECK_VALUE(lists.empty() || lists[0].empty(), "hca ", op, ": only the ", root, " rank passes a ", list);
+    return;
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == size, "hca ", op, ": the ", root,
+                    " rank needs a ", list, " of one tensor per rank (", size, ")");
+  const std::string slot = std::string("a ") + list + " tensor";
+  for (const auto& t : lists[0]) check_like(t, like, like.numel(), slot.c_str(), op, like_what);
+}
+
 void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
                        const char* whole, const char* part, const char* op) {
   TORCH_CHECK_VALUE(wholes.size() == parts.size(), "hca ", op, ": ", wholes.size(), " ", whole, "s for ",

@@ -113,6 +113,11 @@ void check_nonempty(size_t count, const char* what, const char* op);
 // `like_what`), ValueError where it has not `numel` elements.
 void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, const char* what, const char* op,
                 const char* like_what = "the input");
+// A gather's or scatter's list (`list`: "gather_list"), which the root (`root`: "dst") passes and
+// no other rank does: one tensor per rank of the group (`size`), each like `like` (this rank's
+// own tensor, `like_what`: dtype, elements). ValueError, TypeError naming call `op`.
+void check_root_list(const std::vector<std::vector<at::Tensor>>& lists, bool is_root, const at::Tensor& like,
+                     const char* like_what, int size, const char* op, const char* list, const char* root);
 // The tensor forms of all-gather and reduce-scatter: as many wholes (an all-gather's outputs,
 // a reduce-scatter's inputs: `whole`, "output") as parts (`part`), each whole of its part's
 // dtype and `size` times its elements. TypeError, ValueError naming call `op`.

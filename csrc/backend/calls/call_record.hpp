@@ -13,6 +13,8 @@
 #include <tuple>
 #include <vector>
 
+#include "refusal.hpp"
+
 // Whether the caller waits in the call (`async_op`) is recorded where torch can
 // record it (2.13 on); older torch records every call as async.
 #ifdef RECORD_PARAM_COMMS_DATA_WITH_ASYNC_OP
@@ -57,11 +59,13 @@ class CallRecorder {
   void open_window();
   c10::intrusive_ptr<c10d::Work> close_window(int rank);
 
-  // Issues the call (`issue` returns its Work), counted once it is issued;
+  // Issues the call (`issue` returns its Work), counted once it is issued (and handed on:
+  // no longer refused at the call, refusal.hpp);
   // `async_op`: the caller's, false where it waits in the call.
   template <typename Issue>
   c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, bool async_op,
                                             Issue&& issue) {
+    mark_handed_on();
     if (!at::hasCallbacks()) return counted(issue());
     const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
     const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());

@@ -25,18 +25,6 @@ std::vector<std::vector<at::Tensor>> each_of(const std::vector<std::vector<at::T
   return mapped;
 }
 
-// A gather's or scatter's list, which only its root passes: "" where it holds one tensor per
-// rank of `like`'s dtype and size (every rank's call says that much), else its text, so that
-// the root's call differs from the others' and every rank raises: gloo would refuse the list on
-// the root alone, and the other ranks would wait for the root until their timeout.
-std::string root_list_text(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& like, int size) {
-  bool fits = lists.size() == 1 && static_cast<int>(lists[0].size()) == size;
-  for (const auto& list : lists) {
-    for (const auto& t : list) fits = fits && t.scalar_type() == like.scalar_type() && t.numel() == like.numel();
-  }
-  return fits ? "" : ", the list " + tensors_text(flattened(lists));
-}
-
 }  // namespace
 
 at::Tensor flat_for_gloo(const at::Tensor& tensor) { return tensor.is_cpu() ? tensor.view(-1) : tensor; }
@@ -133,6 +121,18 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::agreed_on_queue(c10d::OpType type,
                                            });
   queue().submit(work, !async_op);
   return work;
+}
+
+void EngineBackend::refuse_by_agreement(const char* op, const std::vector<at::Tensor>& tensors,
+                                        const std::string& why) noexcept {
+  if (std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined() && !t.is_cpu(); })) {
+    return;
+  }
+  try {
+    agreed_on_queue(c10d::OpType::UNKNOWN, {}, {std::string(op) + " " + refusal_text(why)}, op, true, [] {});
+  } catch (...) {
+    // The group has ended: its peers' calls fail on its engines.
+  }
 }
 
 void EngineBackend::check_engine_dtypes(const CommsCall& call, const char* op) {
@@ -278,36 +278,41 @@ void EngineBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "gather");
-  check_rank(opts.rootRank, getSize(), "dst", "gather");
-  const bool root = opts.rootRank == getRank();
-  CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) +
-                  (root ? root_list_text(outputs, inputs[0], getSize()) : "") + ")"};
-  return issue("gather", {"gather", inputs, flattened(outputs)}, c10d::OpType::GATHER, std::move(terms), opts.asyncOp,
-               [this, outputs, inputs, opts] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "gather"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, flattened(outputs))),
-                                                       "gather"));
-                 return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), std::move(written));
-               });
+  return refusing("gather", inputs, [&] {
+    check_nonempty(inputs.size(), "the input list", "gather");
+    check_rank(opts.rootRank, getSize(), "dst", "gather");
+    const bool root = opts.rootRank == getRank();
+    check_root_list(outputs, root, inputs[0], "the input", getSize(), "gather", "gather_list", "dst");
+    CallTerms terms{"gather(" + tensors_text(inputs) + ", dst=" + std::to_string(opts.rootRank) + ")"};
+    return issue("gather", {"gather", inputs, flattened(outputs)}, c10d::OpType::GATHER, std::move(terms), opts.asyncOp,
+                 [this, outputs, inputs, opts] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "gather"));
+                   auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, flattened(outputs))),
+                                                         "gather"));
+                   return written_back(engine(inputs[0], "gather").gather(outs, ins, opts), std::move(written));
+                 });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
-  check_nonempty(outputs.size(), "the output list", "scatter");
-  check_rank(opts.rootRank, getSize(), "src", "scatter");
-  const bool root = opts.rootRank == getRank();
-  CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) +
-                  (root ? root_list_text(inputs, outputs[0], getSize()) : "") + ")"};
-  return issue("scatter", {"scatter", flattened(inputs), outputs}, c10d::OpType::SCATTER, std::move(terms),
-               opts.asyncOp, [this, outputs, inputs, opts] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "scatter"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "scatter"));
-                 return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), std::move(written));
-               });
+  return refusing("scatter", outputs, [&] {
+    check_nonempty(outputs.size(), "the output list", "scatter");
+    check_rank(opts.rootRank, getSize(), "src", "scatter");
+    const bool root = opts.rootRank == getRank();
+    check_root_list(inputs, root, outputs[0], "the output", getSize(), "scatter", "scatter_list", "src");
+    CallTerms terms{"scatter(" + tensors_text(outputs) + ", src=" + std::to_string(opts.rootRank) + ")"};
+    return issue("scatter", {"scatter", flattened(inputs), outputs}, c10d::OpType::SCATTER, std::move(terms),
+                 opts.asyncOp, [this, outputs, inputs, opts] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "scatter"));
+                   auto ins =
+                       flat_for_gloo(engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "scatter"));
+                   return written_back(engine(outputs[0], "scatter").scatter(outs, ins, opts), std::move(written));
+                 });
+  });
 }
 
 namespace {
@@ -335,41 +340,45 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& output_splits,
                                                             std::vector<int64_t>& input_splits,
                                                             const c10d::AllToAllOptions& opts) {
-  CallTerms terms{"all_to_all_single(" + std::string(c10::toString(input.scalar_type())) + ")",
-                  block_elements(input, input_splits, getSize(), "input"),
-                  block_elements(output, output_splits, getSize(), "output")};
-  return issue("alltoall_base", {"all_to_all", {input}, {output}, input_splits, output_splits},
-               c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp,
-               [this, output, input, output_splits, input_splits, opts]() mutable {
-                 EngineTensors written;
-                 auto out = engine_bytes(written.output(output), "alltoall_base");
-                 auto in = engine_bytes(EngineTensors::input(apart_from(input, {output})), "alltoall_base");
-                 return written_back(
-                     engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
-                     std::move(written));
-               });
+  return refusing("alltoall_base", {input}, [&] {
+    CallTerms terms{"all_to_all_single(" + std::string(c10::toString(input.scalar_type())) + ")",
+                    block_elements(input, input_splits, getSize(), "input"),
+                    block_elements(output, output_splits, getSize(), "output")};
+    return issue("alltoall_base", {"all_to_all", {input}, {output}, input_splits, output_splits},
+                 c10d::OpType::ALLTOALL_BASE, std::move(terms), opts.asyncOp,
+                 [this, output, input, output_splits, input_splits, opts]() mutable {
+                   EngineTensors written;
+                   auto out = engine_bytes(written.output(output), "alltoall_base");
+                   auto in = engine_bytes(EngineTensors::input(apart_from(input, {output})), "alltoall_base");
+                   return written_back(
+                       engine(input, "alltoall_base").alltoall_base(out, in, output_splits, input_splits, opts),
+                       std::move(written));
+                 });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
-  check_alltoall_lists(outputs, inputs, getSize());
-  CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")", elements_of(inputs),
-                  elements_of(outputs)};
-  for (const auto* list : {&inputs, &outputs}) {
-    for (const auto& t : *list) {
-      check_like(t, inputs[0], t.numel(), list == &inputs ? "an input tensor" : "an output tensor", "alltoall",
-                 "the first input");
+  return refusing("alltoall", inputs, [&] {
+    check_alltoall_lists(outputs, inputs, getSize());
+    CallTerms terms{"all_to_all(" + std::string(c10::toString(inputs[0].scalar_type())) + ")", elements_of(inputs),
+                    elements_of(outputs)};
+    for (const auto* list : {&inputs, &outputs}) {
+      for (const auto& t : *list) {
+        check_like(t, inputs[0], t.numel(), list == &inputs ? "an input tensor" : "an output tensor", "alltoall",
+                   "the first input");
+      }
     }
-  }
-  return issue("alltoall", {"all_to_all", inputs, outputs}, c10d::OpType::ALLTOALL, std::move(terms), opts.asyncOp,
-               [this, outputs, inputs, opts] {
-                 if (inputs[0].is_cpu()) return alltoall_in_one(outputs, inputs, opts);  // reads a copy
-                 EngineTensors written;
-                 auto outs = engine_bytes(written.outputs(outputs), "alltoall");
-                 auto ins = engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "alltoall");
-                 return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), std::move(written));
-               });
+    return issue("alltoall", {"all_to_all", inputs, outputs}, c10d::OpType::ALLTOALL, std::move(terms), opts.asyncOp,
+                 [this, outputs, inputs, opts] {
+                   if (inputs[0].is_cpu()) return alltoall_in_one(outputs, inputs, opts);  // reads a copy
+                   EngineTensors written;
+                   auto outs = engine_bytes(written.outputs(outputs), "alltoall");
+                   auto ins = engine_bytes(EngineTensors::inputs(apart_from(inputs, outputs)), "alltoall");
+                   return written_back(engine(inputs[0], "alltoall").alltoall(outs, ins, opts), std::move(written));
+                 });
+  });
 }
 
 EngineBackend::EngineCall EngineBackend::alltoall_in_one(const std::vector<at::Tensor>& outputs,
@@ -402,16 +411,18 @@ EngineBackend::EngineCall EngineBackend::alltoall_in_one(const std::vector<at::T
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
-  CallTerms terms{"allgather_coalesced(" + tensors_text(inputs) + " -> " + tensors_text(flattened(outputs)) + ")"};
-  return issue("allgather_coalesced", {"allgather_coalesced", inputs, flattened(outputs)},
-               c10d::OpType::ALLGATHER_COALESCED, std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather_coalesced"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced"));
-                 return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
-                                     std::move(written));
-               });
+  return refusing("allgather_coalesced", inputs, [&] {
+    check_nonempty(inputs.size(), "the input list", "allgather_coalesced");
+    CallTerms terms{"allgather_coalesced(" + tensors_text(inputs) + " -> " + tensors_text(flattened(outputs)) + ")"};
+    return issue("allgather_coalesced", {"allgather_coalesced", inputs, flattened(outputs)},
+                 c10d::OpType::ALLGATHER_COALESCED, std::move(terms), opts.asyncOp, [this, outputs, inputs, opts] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather_coalesced"));
+                   auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather_coalesced"));
+                   return written_back(engine(inputs[0], "allgather_coalesced").allgather_coalesced(outs, ins, opts),
+                                       std::move(written));
+                 });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {

@@ -173,6 +173,16 @@ class EngineBackend : public c10d::Backend {
       return issue_call();
     });
   }
+  // `call()`, a collective on `tensors` that the engines carry, refused in its turn where it raises
+  // bad input at the call (refusal.hpp): CPU tensors' calls by an agreement, on the group's queue,
+  // on terms that say so, which peers that made the call find mismatched. CUDA tensors' calls
+  // reach NCCL unchecked (every call would pay a round on the host): their peers wait, as NCCL's do.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> refusing(const char* op, const std::vector<at::Tensor>& tensors, Call&& call) {
+    return refused_at_the_call([&](const std::string& why) { refuse_by_agreement(op, tensors, why); },
+                               std::forward<Call>(call));
+  }
+  void refuse_by_agreement(const char* op, const std::vector<at::Tensor>& tensors, const std::string& why) noexcept;
   // A Work of the group's queue (a blocking call's runs on this thread when nothing is queued):
   // the ranks agree on `terms` through the CPU engine, then `run` hands the call to the engine
   // and waits for it.

@@ -30,21 +30,23 @@ std::optional<PremulFactor> post_scale(const c10d::ReduceOp& op, const std::vect
 c10::intrusive_ptr<c10d::Work> EngineBackend::allgather_by_engine(std::vector<std::vector<at::Tensor>>& outputs,
                                                                   std::vector<at::Tensor>& inputs,
                                                                   const c10d::AllgatherOptions& opts) {
-  check_list_form(inputs, outputs, getRank(), getSize(), "input", "output", "allgather");
-  const auto flat_outputs = flattened(outputs);
-  // This rank's input is its slot of a list every rank passes alike (the slots may differ in
-  // size from rank to rank): so that such ranks agree.
-  CallTerms terms{"all_gather(its slot -> " + tensors_text(flat_outputs) + ")"};
-  return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
-               opts.asyncOp, [this, outputs, inputs, opts] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather"));
-                 auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
-                 if (ins[0].is_cpu() && !one_size(outs[0])) {
-                   return allgather_by_broadcasts(outs[0], ins[0], opts.timeout, std::move(written));
-                 }
-                 return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
-               });
+  return refusing("allgather", inputs, [&] {
+    check_list_form(inputs, outputs, getRank(), getSize(), "input", "output", "allgather");
+    const auto flat_outputs = flattened(outputs);
+    // This rank's input is its slot of a list every rank passes alike (the slots may differ in
+    // size from rank to rank): so that such ranks agree.
+    CallTerms terms{"all_gather(its slot -> " + tensors_text(flat_outputs) + ")"};
+    return issue("allgather", {"all_gather", inputs, flat_outputs}, c10d::OpType::ALLGATHER, std::move(terms),
+                 opts.asyncOp, [this, outputs, inputs, opts] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(engine_bytes(written.outputs(outputs), "allgather"));
+                   auto ins = flat_for_gloo(engine_bytes(EngineTensors::inputs(inputs), "allgather"));
+                   if (ins[0].is_cpu() && !one_size(outs[0])) {
+                     return allgather_by_broadcasts(outs[0], ins[0], opts.timeout, std::move(written));
+                   }
+                   return written_back(engine(inputs[0], "allgather").allgather(outs, ins, opts), std::move(written));
+                 });
+  });
 }
 
 EngineBackend::EngineCall EngineBackend::allgather_by_broadcasts(std::vector<at::Tensor> slots, at::Tensor input,
@@ -86,63 +88,70 @@ EngineBackend::EngineCall EngineBackend::reduce_scatter_through(std::vector<at::
 c10::intrusive_ptr<c10d::Work> EngineBackend::reduce_scatter_by_engine(std::vector<at::Tensor>& outputs,
                                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                                        const c10d::ReduceScatterOptions& opts) {
-  check_list_form(outputs, inputs, getRank(), getSize(), "output", "input", "reduce_scatter");
-  const auto flat_inputs = flattened(inputs);
-  check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
-  check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
-  const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
-  // gloo, as NCCL, takes slots of different sizes: each rank's output is its own slot.
-  return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
-               reduce_scatter_terms(flat_inputs, "its slot", opts), opts.asyncOp, [this, outputs, inputs, opts, scale] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(written.outputs(outputs));
-                 auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
-                 auto& gloo = engine(outputs[0], "reduce_scatter");
-                 return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
-                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
-                                                 return gloo.reduce_scatter(o, i, with);
-                                               });
-               });
+  return refusing("reduce_scatter", outputs, [&] {
+    check_list_form(outputs, inputs, getRank(), getSize(), "output", "input", "reduce_scatter");
+    const auto flat_inputs = flattened(inputs);
+    check_engine_reduction(flat_inputs, opts.reduceOp, "reduce_scatter");
+    check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter");
+    const auto scale = post_scale(opts.reduceOp, flat_inputs, "reduce_scatter");
+    // gloo, as NCCL, takes slots of different sizes: each rank's output is its own slot.
+    return issue("reduce_scatter", {"reduce_scatter", flat_inputs, outputs}, c10d::OpType::REDUCE_SCATTER,
+                 reduce_scatter_terms(flat_inputs, "its slot", opts), opts.asyncOp,
+                 [this, outputs, inputs, opts, scale] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(written.outputs(outputs));
+                   auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
+                   auto& gloo = engine(outputs[0], "reduce_scatter");
+                   return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
+                                                 [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                   return gloo.reduce_scatter(o, i, with);
+                                                 });
+                 });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::reduce_scatter_base_by_engine(at::Tensor& output, at::Tensor& input,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
-  check_tensor_form({input}, {output}, getSize(), "input", "output", "reduce_scatter_tensor");
-  const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
-  return issue("reduce_scatter_tensor", {"_reduce_scatter_base", {input}, {output}}, c10d::OpType::_REDUCE_SCATTER_BASE,
-               reduce_scatter_terms({input}, tensors_text({output}), opts), opts.asyncOp,
-               [this, output, input, opts, scale] {
-                 EngineTensors written;
-                 auto out = flat_for_gloo(written.output(output));
-                 auto in = flat_for_gloo(EngineTensors::input(input));
-                 auto& gloo = engine(output, "reduce_scatter_tensor");
-                 return reduce_scatter_through({out}, std::vector<at::Tensor>{in}, opts, scale, std::move(written),
-                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
-                                                 return gloo._reduce_scatter_base(o[0], i[0], with);
-                                               });
-               });
+  return refusing("reduce_scatter_tensor", {input}, [&] {
+    check_engine_reduction({input, output}, opts.reduceOp, "reduce_scatter_tensor");
+    check_tensor_form({input}, {output}, getSize(), "input", "output", "reduce_scatter_tensor");
+    const auto scale = post_scale(opts.reduceOp, {input}, "reduce_scatter_tensor");
+    return issue("reduce_scatter_tensor", {"_reduce_scatter_base", {input}, {output}},
+                 c10d::OpType::_REDUCE_SCATTER_BASE, reduce_scatter_terms({input}, tensors_text({output}), opts),
+                 opts.asyncOp, [this, output, input, opts, scale] {
+                   EngineTensors written;
+                   auto out = flat_for_gloo(written.output(output));
+                   auto in = flat_for_gloo(EngineTensors::input(input));
+                   auto& gloo = engine(output, "reduce_scatter_tensor");
+                   return reduce_scatter_through({out}, std::vector<at::Tensor>{in}, opts, scale, std::move(written),
+                                                 [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                   return gloo._reduce_scatter_base(o[0], i[0], with);
+                                                 });
+                 });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> EngineBackend::reduce_scatter_tensor_coalesced_by_engine(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
-  check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
-  check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
-  check_tensor_form(inputs, outputs, getSize(), "input", "output", "reduce_scatter_tensor");
-  const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
-  return issue("reduce_scatter_tensor", {"reduce_scatter_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
-               reduce_scatter_terms(inputs, tensors_text(outputs), opts), opts.asyncOp,
-               [this, outputs, inputs, opts, scale] {
-                 EngineTensors written;
-                 auto outs = flat_for_gloo(written.outputs(outputs));
-                 auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
-                 auto& gloo = engine(inputs[0], "reduce_scatter_tensor");
-                 return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
-                                               [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
-                                                 return gloo.reduce_scatter_tensor_coalesced(o, i, with);
-                                               });
-               });
+  return refusing("reduce_scatter_tensor", inputs, [&] {
+    check_nonempty(inputs.size(), "the input list", "reduce_scatter_tensor");
+    check_engine_reduction(inputs, opts.reduceOp, "reduce_scatter_tensor");
+    check_engine_reduction(outputs, opts.reduceOp, "reduce_scatter_tensor");
+    check_tensor_form(inputs, outputs, getSize(), "input", "output", "reduce_scatter_tensor");
+    const auto scale = post_scale(opts.reduceOp, inputs, "reduce_scatter_tensor");
+    return issue("reduce_scatter_tensor", {"reduce_scatter_tensor_coalesced", inputs, outputs}, c10d::OpType::COALESCED,
+                 reduce_scatter_terms(inputs, tensors_text(outputs), opts), opts.asyncOp,
+                 [this, outputs, inputs, opts, scale] {
+                   EngineTensors written;
+                   auto outs = flat_for_gloo(written.outputs(outputs));
+                   auto ins = flat_for_gloo(EngineTensors::inputs(apart_from(inputs, outputs)));
+                   auto& gloo = engine(inputs[0], "reduce_scatter_tensor");
+                   return reduce_scatter_through(outs, ins, opts, scale, std::move(written),
+                                                 [&gloo](auto& o, auto& i, const c10d::ReduceScatterOptions& with) {
+                                                   return gloo.reduce_scatter_tensor_coalesced(o, i, with);
+                                                 });
+                 });
+  });
 }
 
 CallTerms EngineBackend::reduce_scatter_terms(const std::vector<at::Tensor>& inputs, const std::string& outputs,

@@ -151,6 +151,17 @@ void NodeBackend::AmongLeaders::finish() {
   for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
 }
 
+void NodeBackend::refuse_in_node(const char* op, const std::string& why) noexcept {
+  try {
+    // In the call's turn on this group's queue: the node's group gets it after the earlier calls' stages.
+    queue_.submit(c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::UNKNOWN, std::vector<at::Tensor>{},
+                                               [this, op, why] { local_->refuse(op, why); }),
+                  false);
+  } catch (...) {
+    // The group has ended: its parts have ended too.
+  }
+}
+
 c10::intrusive_ptr<c10d::Work> NodeBackend::launch(c10d::OpType type, const CallArgs& args,
                                                    std::vector<at::Tensor> outputs, std::function<void()> body,
                                                    bool async_op) {
@@ -229,28 +240,30 @@ void NodeBackend::allreduce_stages(const std::vector<at::Tensor>& tensors, const
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "allreduce");
-  if (is_sparse_call(tensors)) {
-    CallTerms terms{"allreduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) + ")"};
-    return issue("allreduce", {"allreduce", tensors, tensors}, c10d::OpType::ALLREDUCE, std::move(terms), opts.asyncOp,
-                 [this, tensors, opts]() mutable {
-                   return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)};
-                 });
-  }
-  CallArgs args("allreduce", tensors);
-  const Scaled in_place{0, tensors.size(), false};
-  args.reduce_op(opts.reduceOp, &in_place);
-  check_engine_reduction(tensors, opts.reduceOp, "allreduce");
-  check_device(args.device(), "allreduce");
-  auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
-               timeout = timeout_or_default(opts.timeout)] {
-    args.premultiply();
-    allreduce_stages(args.dense(), packs, staged_op(args, op), timeout,
-                     "allreduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
-    args.write_back();
-  };
-  return record({"allreduce", tensors, tensors}, opts.asyncOp,
-                [&] { return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp); });
+  return refusing_in_node("allreduce", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "allreduce");
+    if (is_sparse_call(tensors)) {
+      CallTerms terms{"allreduce(" + tensors_text(tensors) + ", " + reduction_text(opts.reduceOp) + ")"};
+      return issue("allreduce", {"allreduce", tensors, tensors}, c10d::OpType::ALLREDUCE, std::move(terms),
+                   opts.asyncOp, [this, tensors, opts]() mutable {
+                     return EngineCall{engine(tensors[0], "allreduce").allreduce(tensors, opts)};
+                   });
+    }
+    CallArgs args("allreduce", tensors);
+    const Scaled in_place{0, tensors.size(), false};
+    args.reduce_op(opts.reduceOp, &in_place);
+    check_engine_reduction(tensors, opts.reduceOp, "allreduce");
+    check_device(args.device(), "allreduce");
+    auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
+                 timeout = timeout_or_default(opts.timeout)] {
+      args.premultiply();
+      allreduce_stages(args.dense(), packs, staged_op(args, op), timeout,
+                       "allreduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(op) + ")");
+      args.write_back();
+    };
+    return record({"allreduce", tensors, tensors}, opts.asyncOp,
+                  [&] { return launch(c10d::OpType::ALLREDUCE, args, tensors, std::move(body), opts.asyncOp); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -260,76 +273,80 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce_coalesced(std::vector<at::
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  check_rank(opts.rootRank, getSize(), "src", "broadcast");
-  CallArgs args("broadcast", tensors);
-  check_device(args.device(), "broadcast");
-  auto body = [this, args, src = static_cast<int>(opts.rootRank), timeout = timeout_or_default(opts.timeout)] {
-    // The source leads its own node; every other node's rank at its position receives.
-    const int position = root_position(nodes_, src);
-    if (leads(position)) {
-      c10d::BroadcastOptions across;
-      across.rootRank = nodes_.node_of[src];
-      across.timeout = timeout;
-      auto agreed = agree_among_leaders(
-          {position}, args.device(),
-          "broadcast(" + args.text(0, args.descs().size()) + ", src=" + std::to_string(src) + ")");
-      among_leaders(position, args.dense(), agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
-        return engine.broadcast(tensors, across);
-      }).finish();
-    }
-    auto inside = stage_options<c10d::BroadcastOptions>(timeout);
-    inside.rootRank = local_leader(position);
-    std::vector<at::Tensor> dense = args.dense();
-    local_->broadcast(dense, inside)->wait();
-    args.write_back();
-  };
-  return record({"broadcast", tensors, tensors}, opts.asyncOp,
-                [&] { return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp); });
+  return refusing_in_node("broadcast", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "broadcast");
+    check_rank(opts.rootRank, getSize(), "src", "broadcast");
+    CallArgs args("broadcast", tensors);
+    check_device(args.device(), "broadcast");
+    auto body = [this, args, src = static_cast<int>(opts.rootRank), timeout = timeout_or_default(opts.timeout)] {
+      // The source leads its own node; every other node's rank at its position receives.
+      const int position = root_position(nodes_, src);
+      if (leads(position)) {
+        c10d::BroadcastOptions across;
+        across.rootRank = nodes_.node_of[src];
+        across.timeout = timeout;
+        auto agreed = agree_among_leaders(
+            {position}, args.device(),
+            "broadcast(" + args.text(0, args.descs().size()) + ", src=" + std::to_string(src) + ")");
+        among_leaders(position, args.dense(), agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+          return engine.broadcast(tensors, across);
+        }).finish();
+      }
+      auto inside = stage_options<c10d::BroadcastOptions>(timeout);
+      inside.rootRank = local_leader(position);
+      std::vector<at::Tensor> dense = args.dense();
+      local_->broadcast(dense, inside)->wait();
+      args.write_back();
+    };
+    return record({"broadcast", tensors, tensors}, opts.asyncOp,
+                  [&] { return launch(c10d::OpType::BROADCAST, args, tensors, std::move(body), opts.asyncOp); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "reduce");
-  check_rank(opts.rootRank, getSize(), "dst", "reduce");
-  CallArgs args("reduce", tensors);
-  const int root = static_cast<int>(opts.rootRank);
-  const Scaled scaled{0, tensors.size(), getRank() != root};  // only dst's tensors change
-  args.reduce_op(opts.reduceOp, &scaled);
-  check_engine_reduction(tensors, opts.reduceOp, "reduce");
-  check_device(args.device(), "reduce");
-  auto body = [this, args, dst = root, given_op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
-    args.premultiply();
-    const c10d::ReduceOp op = staged_op(args, given_op);
-    const int position = root_position(nodes_, dst);
-    auto agreed = agree_among_leaders({position}, args.device(),
-                                      "reduce(" + args.text(0, args.descs().size()) + ", " + reduction_text(given_op) +
-                                          ", dst=" + std::to_string(dst) + ")");
-    const bool relays = leads(position) && getRank() != dst;  // a leader of another node
-    // A relaying leader reduces into scratch copies: only dst's tensors change.
-    std::vector<at::Tensor> partial;
-    for (const auto& t : args.dense()) partial.push_back(relays ? t.clone() : t);
-    auto inside = stage_options<c10d::ReduceOptions>(timeout);
-    inside.reduceOp = nccl::engine_op(op);
-    inside.rootRank = local_leader(position);
-    local_->reduce(partial, inside)->wait();
-    if (leads(position)) {
-      c10d::ReduceOptions across;
-      across.reduceOp = nccl::engine_op(op);
-      across.rootRank = nodes_.node_of[dst];
-      across.timeout = timeout;
-      among_leaders(position, partial, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
-        return engine.reduce(tensors, across);
-      }, across.reduceOp.op_).finish();
-    }
-    if (getRank() == dst) {
-      if (op == c10d::ReduceOp::AVG) {
-        for (auto& t : partial) t.div_(getSize());
+  return refusing_in_node("reduce", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "reduce");
+    check_rank(opts.rootRank, getSize(), "dst", "reduce");
+    CallArgs args("reduce", tensors);
+    const int root = static_cast<int>(opts.rootRank);
+    const Scaled scaled{0, tensors.size(), getRank() != root};  // only dst's tensors change
+    args.reduce_op(opts.reduceOp, &scaled);
+    check_engine_reduction(tensors, opts.reduceOp, "reduce");
+    check_device(args.device(), "reduce");
+    auto body = [this, args, dst = root, given_op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
+      args.premultiply();
+      const c10d::ReduceOp op = staged_op(args, given_op);
+      const int position = root_position(nodes_, dst);
+      auto agreed = agree_among_leaders({position}, args.device(),
+                                        "reduce(" + args.text(0, args.descs().size()) + ", " +
+                                            reduction_text(given_op) + ", dst=" + std::to_string(dst) + ")");
+      const bool relays = leads(position) && getRank() != dst;  // a leader of another node
+      // A relaying leader reduces into scratch copies: only dst's tensors change.
+      std::vector<at::Tensor> partial;
+      for (const auto& t : args.dense()) partial.push_back(relays ? t.clone() : t);
+      auto inside = stage_options<c10d::ReduceOptions>(timeout);
+      inside.reduceOp = nccl::engine_op(op);
+      inside.rootRank = local_leader(position);
+      local_->reduce(partial, inside)->wait();
+      if (leads(position)) {
+        c10d::ReduceOptions across;
+        across.reduceOp = nccl::engine_op(op);
+        across.rootRank = nodes_.node_of[dst];
+        across.timeout = timeout;
+        among_leaders(position, partial, agreed, [&](c10d::Backend& engine, std::vector<at::Tensor>& tensors) {
+          return engine.reduce(tensors, across);
+        }, across.reduceOp.op_).finish();
       }
-      args.write_back();
-    }
-  };
-  return record({"reduce", tensors, tensors}, opts.asyncOp,
-                [&] { return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp); });
+      if (getRank() == dst) {
+        if (op == c10d::ReduceOp::AVG) {
+          for (auto& t : partial) t.div_(getSize());
+        }
+        args.write_back();
+      }
+    };
+    return record({"reduce", tensors, tensors}, opts.asyncOp,
+                  [&] { return launch(c10d::OpType::REDUCE, args, tensors, std::move(body), opts.asyncOp); });
+  });
 }
 
 void NodeBackend::reduce_scatter_stages(at::Tensor& output, const at::Tensor& input, c10d::ReduceOp op,
@@ -398,70 +415,82 @@ void NodeBackend::allgather_stages(at::Tensor& output, at::Tensor& input, std::c
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                       std::vector<at::Tensor>& inputs,
                                                       const c10d::AllgatherOptions& opts) {
-  if (uneven_list(outputs, inputs.size())) return allgather_by_engine(outputs, inputs, opts);
-  CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
-  auto& list = outputs[0];
-  const size_t input = list.size();
-  const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
-  check_device(args.device(), "allgather");
-  auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
-    auto agreed = agree_among_leaders({0}, args.device(), "all_gather(" + args.text(0, args.descs().size()) + ")");
-    at::Tensor in = args.dense()[input];
-    at::Tensor flat = at::empty({getSize() * k}, in.options());
-    allgather_stages(flat, in, timeout, agreed);
-    for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
-    args.write_back();
-  };
-  return record({"all_gather", inputs, list}, opts.asyncOp,
-                [&] { return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp); });
+  return refusing_in_node("allgather", [&] {
+    if (uneven_list(outputs, inputs.size())) return allgather_by_engine(outputs, inputs, opts);
+    CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
+    auto& list = outputs[0];
+    const size_t input = list.size();
+    const int64_t k = static_cast<int64_t>(args.descs()[input].numel);
+    check_device(args.device(), "allgather");
+    auto body = [this, args, input, k, timeout = timeout_or_default(opts.timeout)] {
+      auto agreed = agree_among_leaders({0}, args.device(), "all_gather(" + args.text(0, args.descs().size()) + ")");
+      at::Tensor in = args.dense()[input];
+      at::Tensor flat = at::empty({getSize() * k}, in.options());
+      allgather_stages(flat, in, timeout, agreed);
+      for (size_t j = 0; j < input; ++j) args.dense()[j].view(-1).copy_(flat.narrow(0, j * k, k));
+      args.write_back();
+    };
+    return record({"all_gather", inputs, list}, opts.asyncOp,
+                  [&] { return launch(c10d::OpType::ALLGATHER, args, list, std::move(body), opts.asyncOp); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return refusing_in_node("allgather_into_tensor", [&] {
+    std::vector<at::Tensor> outputs{output}, inputs{input};
+    return allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
-  const size_t n = outputs.size();
-  check_device(args.device(), "allgather_into_tensor");
-  auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
-    auto agreed = agree_among_leaders({0}, args.device(),
-                                      "all_gather_into_tensor(" + args.text(0, args.descs().size()) + ")");
-    for (size_t i = 0; i < n; ++i) {
-      at::Tensor out = args.dense()[i].view(-1), in = args.dense()[n + i].view(-1);
-      allgather_stages(out, in, timeout, agreed);
-    }
-    args.write_back();
-  };
-  return record({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
-                [&] { return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp); });
+  return refusing_in_node("allgather_into_tensor", [&] {
+    CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
+    const size_t n = outputs.size();
+    check_device(args.device(), "allgather_into_tensor");
+    auto body = [this, args, n, timeout = timeout_or_default(opts.timeout)] {
+      auto agreed = agree_among_leaders({0}, args.device(),
+                                        "all_gather_into_tensor(" + args.text(0, args.descs().size()) + ")");
+      for (size_t i = 0; i < n; ++i) {
+        at::Tensor out = args.dense()[i].view(-1), in = args.dense()[n + i].view(-1);
+        allgather_stages(out, in, timeout, agreed);
+      }
+      args.write_back();
+    };
+    return record({"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
+                  [&] { return launch(c10d::OpType::_ALLGATHER_BASE, args, outputs, std::move(body), opts.asyncOp); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                            std::vector<std::vector<at::Tensor>>& inputs,
                                                            const c10d::ReduceScatterOptions& opts) {
-  if (uneven_list(inputs, outputs.size())) return reduce_scatter_by_engine(outputs, inputs, opts);
-  StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
-  std::vector<at::Tensor> ins{stacked.tensor};
-  return reduce_scatter_staged(outputs, ins, opts, {"reduce_scatter", flattened(inputs), outputs},
-                               c10d::OpType::REDUCE_SCATTER, "reduce_scatter");
+  return refusing_in_node("reduce_scatter", [&] {
+    if (uneven_list(inputs, outputs.size())) return reduce_scatter_by_engine(outputs, inputs, opts);
+    StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
+    std::vector<at::Tensor> ins{stacked.tensor};
+    return reduce_scatter_staged(outputs, ins, opts, {"reduce_scatter", flattened(inputs), outputs},
+                                 c10d::OpType::REDUCE_SCATTER, "reduce_scatter");
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return refusing_in_node("reduce_scatter_tensor", [&] {
+    std::vector<at::Tensor> outputs{output}, inputs{input};
+    return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                             std::vector<at::Tensor>& inputs,
                                                                             const c10d::ReduceScatterOptions& opts) {
-  return reduce_scatter_staged(outputs, inputs, opts, {"reduce_scatter_tensor_coalesced", inputs, outputs},
-                               c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor");
+  return refusing_in_node("reduce_scatter_tensor", [&] {
+    return reduce_scatter_staged(outputs, inputs, opts, {"reduce_scatter_tensor_coalesced", inputs, outputs},
+                                 c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor");
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_staged(std::vector<at::Tensor>& outputs,

@@ -99,6 +99,15 @@ class NodeBackend : public EngineBackend {
   bool uneven_list(const std::vector<std::vector<at::Tensor>>& lists, size_t others) const {
     return lists.size() == 1 && others == 1 && static_cast<int>(lists[0].size()) == getSize() && !one_size(lists[0]);
   }
+  // `call()`, a collective, refused in its turn where it raises bad input at the call (refusal.hpp):
+  // through the node's group, whose ranks then fail at once. Ranks of other nodes are not told:
+  // they wait for it until the timeout, as for any failure of another node's stages.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> refusing_in_node(const char* op, Call&& call) {
+    return refused_at_the_call([this, op](const std::string& why) { refuse_in_node(op, why); },
+                               std::forward<Call>(call));
+  }
+  void refuse_in_node(const char* op, const std::string& why) noexcept;
   // NotImplementedError for tensors this build does not carry across nodes.
   void check_device(const at::Device& device, const char* op) const;
 

@@ -391,21 +391,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch(c10d::OpType type, CallAr
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "allreduce");
-  if (is_sparse_call(tensors)) {
-    return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,
-                  [&] { return allreduce_sparse(tensors[0], opts); });
-  }
-  CallArgs args("allreduce", tensors);
-  const Scaled in_place{0, tensors.size(), false};
-  const ReduceOp op = args.reduce_op(opts.reduceOp, &in_place);
-  std::vector<Collective> cs;
-  cs.push_back(cached_collective(
-      "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
-      [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
-  return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                  opts.asyncOp);
+  return refusing("allreduce", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "allreduce");
+    if (is_sparse_call(tensors)) {
+      return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp,
+                    [&] { return allreduce_sparse(tensors[0], opts); });
+    }
+    CallArgs args("allreduce", tensors);
+    const Scaled in_place{0, tensors.size(), false};
+    const ReduceOp op = args.reduce_op(opts.reduceOp, &in_place);
+    std::vector<Collective> cs;
+    cs.push_back(cached_collective(
+        "allreduce", args, op, 0, [&] { return plan_allreduce(args.descs(), getSize(), options_for(args.device())); },
+        [&] { return args.text(0, tensors.size()) + ", " + op_name(op); }));
+    return calls_(*this, {"allreduce", tensors, tensors}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::ALLREDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                    opts.asyncOp);
+    });
   });
 }
 
@@ -416,37 +418,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allreduce_coalesced(std::vector<
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "broadcast");
-  check_rank(opts.rootRank, getSize(), "src", "broadcast");
-  CallArgs args("broadcast", tensors);
-  std::vector<Collective> cs;
-  const int src = static_cast<int>(opts.rootRank);
-  cs.push_back(cached_collective(
-      "broadcast", args, ReduceOp::Sum, src, [&] { return plan_broadcast(args.descs(), getSize(), src); },
-      [&] { return args.text(0, tensors.size()) + ", src=" + std::to_string(src); }));
-  return calls_(*this, {"broadcast", tensors, tensors}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                  opts.asyncOp);
+  return refusing("broadcast", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "broadcast");
+    check_rank(opts.rootRank, getSize(), "src", "broadcast");
+    CallArgs args("broadcast", tensors);
+    std::vector<Collective> cs;
+    const int src = static_cast<int>(opts.rootRank);
+    cs.push_back(cached_collective(
+        "broadcast", args, ReduceOp::Sum, src, [&] { return plan_broadcast(args.descs(), getSize(), src); },
+        [&] { return args.text(0, tensors.size()) + ", src=" + std::to_string(src); }));
+    return calls_(*this, {"broadcast", tensors, tensors}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::BROADCAST, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                    opts.asyncOp);
+    });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  check_nonempty(tensors.size(), "the tensor list", "reduce");
-  check_rank(opts.rootRank, getSize(), "dst", "reduce");
-  CallArgs args("reduce", tensors);
-  const int dst = static_cast<int>(opts.rootRank);
-  // PREMUL_SUM: dst's tensors take the result, so they are multiplied in place; the
-  // others' stay as given (as NCCL leaves them), so theirs are multiplied into copies.
-  const Scaled scaled{0, tensors.size(), getRank() != dst};
-  const ReduceOp op = args.reduce_op(opts.reduceOp, &scaled);
-  std::vector<Collective> cs;
-  cs.push_back(cached_collective(
-      "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
-      [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
-  return calls_(*this, {"reduce", tensors, tensors}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
-                  opts.asyncOp);
+  return refusing("reduce", [&] {
+    check_nonempty(tensors.size(), "the tensor list", "reduce");
+    check_rank(opts.rootRank, getSize(), "dst", "reduce");
+    CallArgs args("reduce", tensors);
+    const int dst = static_cast<int>(opts.rootRank);
+    // PREMUL_SUM: dst's tensors take the result, so they are multiplied in place; the
+    // others' stay as given (as NCCL leaves them), so theirs are multiplied into copies.
+    const Scaled scaled{0, tensors.size(), getRank() != dst};
+    const ReduceOp op = args.reduce_op(opts.reduceOp, &scaled);
+    std::vector<Collective> cs;
+    cs.push_back(cached_collective(
+        "reduce", args, op, dst, [&] { return plan_reduce(args.descs(), getSize(), dst, options_for(args.device())); },
+        [&] { return args.text(0, tensors.size()) + ", " + op_name(op) + ", dst=" + std::to_string(dst); }));
+    return calls_(*this, {"reduce", tensors, tensors}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::REDUCE, std::move(args), std::move(cs), tensors, timeout_or_default(opts.timeout),
+                    opts.asyncOp);
+    });
   });
 }
 
@@ -464,43 +470,44 @@ Collective ProcessGroupHCA::allgather_collective(const CallArgs& args, size_t ou
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
-  auto& list = outputs[0];
-  const size_t input = list.size();
-  const at::Tensor& in = args.dense()[input];
-  std::vector<TensorSpan> spans;
-  for (size_t j = 0; j < list.size(); ++j) spans.push_back({in.data_ptr(), args.dense()[j].data_ptr()});
-  std::vector<Collective> cs;
-  // Every rank's part, as the list gives them (they may differ in size): the same text on every rank.
-  cs.push_back(collective(plan_allgather(args.descs()[input].dtype, numels(args, 0, list.size())), std::move(spans),
-                          ReduceOp::Sum, "allgather", args.text(0, list.size())));
-  return calls_(*this, {"all_gather", inputs, list}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
-                  opts.asyncOp);
+  return refusing("allgather", [&] {
+    CallArgs args = allgather_list_args(outputs, inputs, getRank(), getSize());
+    auto& list = outputs[0];
+    const size_t input = list.size();
+    const at::Tensor& in = args.dense()[input];
+    std::vector<TensorSpan> spans;
+    for (size_t j = 0; j < list.size(); ++j) spans.push_back({in.data_ptr(), args.dense()[j].data_ptr()});
+    std::vector<Collective> cs;
+    // Every rank's part, as the list gives them (they may differ in size): the same text on every rank.
+    cs.push_back(collective(plan_allgather(args.descs()[input].dtype, numels(args, 0, list.size())), std::move(spans),
+                            ReduceOp::Sum, "allgather", args.text(0, list.size())));
+    return calls_(*this, {"all_gather", inputs, list}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::ALLGATHER, std::move(args), std::move(cs), list, timeout_or_default(opts.timeout),
+                    opts.asyncOp);
+    });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+  return refusing("allgather_into_tensor", [&] {
+    std::vector<at::Tensor> outputs{output}, inputs{input};
+    return allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                                 std::vector<at::Tensor>& inputs,
                                                                                 const c10d::AllgatherOptions& opts) {
-  return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp,
-                [&] { return launch_allgather(outputs, inputs, opts); });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::launch_allgather(const std::vector<at::Tensor>& outputs,
-                                                                 const std::vector<at::Tensor>& inputs,
-                                                                 const c10d::AllgatherOptions& opts) {
-  CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
-  std::vector<Collective> cs;
-  for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
-  return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
-                timeout_or_default(opts.timeout), opts.asyncOp);
+  return refusing("allgather_into_tensor", [&] {
+    CallArgs args = allgather_tensor_args(outputs, inputs, getRank(), getSize());
+    std::vector<Collective> cs;
+    for (size_t i = 0; i < inputs.size(); ++i) cs.push_back(allgather_collective(args, i, outputs.size() + i));
+    return calls_(*this, {"allgather_into_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::_ALLGATHER_BASE, std::move(args), std::move(cs), outputs,
+                    timeout_or_default(opts.timeout), opts.asyncOp);
+    });
+  });
 }
 
 void ProcessGroupHCA::gather_step(const at::Tensor& output, const at::Tensor& input,
@@ -526,44 +533,50 @@ Collective ProcessGroupHCA::reduce_scatter_collective(const CallArgs& args, size
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
-  StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
-  CallArgs args("reduce_scatter", {outputs[0], stacked.tensor});  // the stack is a copy: it shares nothing
-  const Scaled stack_in_place{1, 1, false};
-  const ReduceOp op = args.reduce_op(opts.reduceOp, &stack_in_place);
-  // Input j (counts[j] elements, maybe not the output's size on other ranks) into rank j's output.
-  std::vector<TensorSpan> spans;
-  int64_t at = 0;
-  for (size_t count : stacked.counts) {
-    spans.push_back({byte_offset(args.dense()[1], at), args.dense()[0].data_ptr()});
-    at += static_cast<int64_t>(count);
-  }
-  std::vector<Collective> cs;
-  cs.push_back(collective(plan_reduce_scatter(args.descs()[0].dtype, stacked.counts, options_for(args.device())),
-                          std::move(spans), op, "reduce_scatter", stacked.text + ", " + op_name(op)));
-  return calls_(*this, {"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::REDUCE_SCATTER, std::move(args), std::move(cs), outputs,
-                  timeout_or_default(opts.timeout), opts.asyncOp);
+  return refusing("reduce_scatter", [&] {
+    StackedInputs stacked = stacked_reduce_scatter_inputs(outputs, inputs, getRank(), getSize());
+    CallArgs args("reduce_scatter", {outputs[0], stacked.tensor});  // the stack is a copy: it shares nothing
+    const Scaled stack_in_place{1, 1, false};
+    const ReduceOp op = args.reduce_op(opts.reduceOp, &stack_in_place);
+    // Input j (counts[j] elements, maybe not the output's size on other ranks) into rank j's output.
+    std::vector<TensorSpan> spans;
+    int64_t at = 0;
+    for (size_t count : stacked.counts) {
+      spans.push_back({byte_offset(args.dense()[1], at), args.dense()[0].data_ptr()});
+      at += static_cast<int64_t>(count);
+    }
+    std::vector<Collective> cs;
+    cs.push_back(collective(plan_reduce_scatter(args.descs()[0].dtype, stacked.counts, options_for(args.device())),
+                            std::move(spans), op, "reduce_scatter", stacked.text + ", " + op_name(op)));
+    return calls_(*this, {"reduce_scatter", flattened(inputs), outputs}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::REDUCE_SCATTER, std::move(args), std::move(cs), outputs,
+                    timeout_or_default(opts.timeout), opts.asyncOp);
+    });
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
-  std::vector<at::Tensor> outputs{output}, inputs{input};
-  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  return refusing("reduce_scatter_tensor", [&] {
+    std::vector<at::Tensor> outputs{output}, inputs{input};
+    return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
-  const Scaled copies_of_inputs{outputs.size(), inputs.size(), true};
-  const ReduceOp op = args.reduce_op(opts.reduceOp, &copies_of_inputs);
-  std::vector<Collective> cs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    cs.push_back(reduce_scatter_collective(args, i, outputs.size() + i, op));
-  }
-  return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
-    return launch(c10d::OpType::_REDUCE_SCATTER_BASE, std::move(args), std::move(cs), outputs,
-                  timeout_or_default(opts.timeout), opts.asyncOp);
+  return refusing("reduce_scatter_tensor", [&] {
+    CallArgs args = reduce_scatter_tensor_args(outputs, inputs, getRank(), getSize());
+    const Scaled copies_of_inputs{outputs.size(), inputs.size(), true};
+    const ReduceOp op = args.reduce_op(opts.reduceOp, &copies_of_inputs);
+    std::vector<Collective> cs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      cs.push_back(reduce_scatter_collective(args, i, outputs.size() + i, op));
+    }
+    return calls_(*this, {"reduce_scatter_tensor_coalesced", inputs, outputs}, opts.asyncOp, [&] {
+      return launch(c10d::OpType::_REDUCE_SCATTER_BASE, std::move(args), std::move(cs), outputs,
+                    timeout_or_default(opts.timeout), opts.asyncOp);
+    });
   });
 }
 
@@ -579,6 +592,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::barrier(const c10d::BarrierOptio
     return launch(c10d::OpType::BARRIER, std::move(args), std::move(cs), {}, timeout, opts.asyncOp, nullptr,
                   drain_devices(timeout));
   });
+}
+
+void ProcessGroupHCA::refuse(const char* op, const std::string& why) noexcept {
+  try {
+    std::vector<Collective> cs;
+    cs.push_back(collective({}, {}, ReduceOp::Sum, op, refusal_text(why)));
+    launch(c10d::OpType::UNKNOWN, CallArgs(op, {}), std::move(cs), {}, timeout_.load(), true, "hca:refused_call");
+  } catch (...) {
+    // The group has ended or failed: its peers hear of that instead.
+  }
 }
 
 std::function<void()> ProcessGroupHCA::drain_devices(std::chrono::milliseconds timeout) {

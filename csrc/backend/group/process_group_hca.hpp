@@ -164,6 +164,10 @@ class ProcessGroupHCA : public c10d::Backend {
   static bool self_test_wanted();
   // Whether its CPU tensors go through the CPU model of the device (TORCH_HCA_CPU_EXECUTOR=streams).
   bool cpu_on_model() const { return cpu_executor_kind_ == CpuExecutor::HostStreams; }
+  // Tells the peers that this rank refused the collective `op` at the call, `why` (refusal.hpp):
+  // an empty collective in the call's turn, whose signature says so. Never throws (a group that
+  // has ended or failed has told its peers already).
+  void refuse(const char* op, const std::string& why) noexcept;
 
  private:
   // `ask` of the CPU or CUDA executor, or `none` where there is none (yet, or any more).
@@ -179,6 +183,11 @@ class ProcessGroupHCA : public c10d::Backend {
                                             const char* basis) const;
   // shutdown and abort, through life_.
   void end(bool abort);
+  // `call()`, one of the collectives: refused in its turn where it raises bad input at the call.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> refusing(const char* op, Call&& call) {
+    return refused_at_the_call([this, op](const std::string& why) { refuse(op, why); }, std::forward<Call>(call));
+  }
   // The executor of `device`'s tensors, chosen here and nowhere else;
   // NotImplementedError naming the device where this build has none.
   Executor& executor_for(const at::Device& device, const char* op);
@@ -219,10 +228,6 @@ class ProcessGroupHCA : public c10d::Backend {
                                                      std::vector<at::Tensor>& tensors, int peer, int tag);
   // allreduce of sparse COO tensors (SUM): gathers every rank's indices and values.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(at::Tensor& tensor, const c10d::AllreduceOptions& opts);
-  // allgather_into_tensor_coalesced, neither counted nor recorded: also a step of hca's own calls.
-  c10::intrusive_ptr<c10d::Work> launch_allgather(const std::vector<at::Tensor>& outputs,
-                                                  const std::vector<at::Tensor>& inputs,
-                                                  const c10d::AllgatherOptions& opts);
   // Every rank's `input` into `output`, a step of a larger call; blocking. An
   // internal call named `title` (static text) in the profiler and in errors.
   void gather_step(const at::Tensor& output, const at::Tensor& input, std::chrono::milliseconds timeout,
