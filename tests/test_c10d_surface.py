@@ -1,6 +1,7 @@
 """The rest of what a gloo user calls on CPU: monitored_barrier, sequence numbers, sparse
-allreduce, groups created again on one store, profiler traces, and the newer front ends (DeviceMesh, DTensor redistribution, the functional
-collectives that torch.compile emits), each against an independent reference."""
+allreduce, groups created again on one store, profiler traces, TORCH_DISTRIBUTED_DEBUG=DETAIL, and
+the newer front ends (DeviceMesh, DTensor redistribution, the functional collectives that
+torch.compile emits), each against an independent reference."""
 import json
 import os
 import signal
@@ -99,6 +100,42 @@ def _sequence(rank, world):
 @pytest.mark.parametrize("world", [1, 3])
 def test_sequence_numbers_count_collectives(world, algorithm):
     assert run_ranks(_sequence, world, pg_options=torch_hca.Options(algorithm)) == [(0, 4)] * world
+
+
+def _debug_detail(rank):
+    dist.set_debug_level(dist.DebugLevel.DETAIL)  # TORCH_DISTRIBUTED_DEBUG=DETAIL, read before the group
+
+
+def _under_debug_detail(rank, world):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend in its ProcessGroupWrapper, which
+    checks each call's shapes across the ranks through a gloo group of its own, then calls hca's."""
+    wrapped = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+    inputs = [make_input(970, r, 1000, torch.float32, "SUM") for r in range(world)]
+    t = inputs[rank].clone()
+    dist.all_reduce(t)
+    errors = [mismatch("all_reduce", t, reduce_reference(inputs, "SUM"), world)]
+    out = torch.empty(1000 * world)
+    all_gather_single(out, inputs[rank])
+    errors.append(mismatch("all_gather_into_tensor", out, torch.cat(inputs), world))
+    model = torch.nn.Linear(8, 4)
+    torch.manual_seed(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(5, 8)).sum().backward()
+    grads = [torch.empty_like(model.weight.grad) for _ in range(world)]
+    dist.all_gather(grads, model.weight.grad)
+    errors.append("" if all(torch.equal(g, grads[0]) for g in grads) else "DDP's gradients differ across ranks")
+    mismatched = raises(lambda: dist.all_reduce(torch.ones(10 + rank)), RuntimeError) if world > 1 else ""
+    return wrapped, [e for e in errors if e], mismatched
+
+
+@pytest.mark.parametrize("where", ["default", "nccl"])
+def test_under_torch_distributed_debug_detail(where):
+    """(Stock gloo, on torch 2.13, crashed the ranks there with a segmentation fault in DDP's setup.)"""
+    world = 3
+    for wrapped, errors, mismatched in run_ranks(_under_debug_detail, world, before_init=_debug_detail,
+                                                 **group_kind(where)):
+        assert wrapped == "_ProcessGroupWrapper" and errors == [], (wrapped, errors)
+        assert "Detected mismatch between collectives on ranks" in mismatched, mismatched
 
 
 def _objects(rank, world):
