@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import SMALL_CHUNKS, raises, run_ranks
+from harness import SMALL_CHUNKS, group_kind, raises, run_ranks
 from reference import DTYPES, all_gather_single, make_input, rank_device
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -154,6 +154,36 @@ def _bad_calls(rank, world):
     dist.all_reduce(t)
     msgs["still works"] = "" if torch.equal(t, torch.full((3,), float(world))) else f"UNEXPECTED {t}"
     return msgs
+
+
+def _gather_single(rank, world):
+    """dist.gather_single (torch 2.14 on): every rank's part into one tensor on the root, every
+    dtype; then a root whose output is a part short, which every rank hears of at once."""
+    errors = []
+    for case, dtype in enumerate(DTYPES):
+        for numel in (1, 40_000):
+            root = (case + numel) % world
+            parts = [_data(r, 700 + case, numel, dtype) for r in range(world)]
+            out = torch.empty(world * numel, dtype=dtype) if rank == root else None
+            dist.gather_single(parts[rank], out, dst=root)
+            if rank == root:
+                _check(errors, f"gather_single {dtype} {numel}", out, torch.cat(parts))
+    short = torch.empty(world - 1) if rank == 0 else None
+    refused = raises(lambda: dist.gather_single(torch.ones(1), short, dst=0),
+                     ValueError if rank == 0 else dist.DistBackendError)
+    return errors, refused
+
+
+@pytest.mark.skipif(not hasattr(dist, "gather_single"), reason="torch has dist.gather_single from 2.14 on")
+@pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
+def test_gather_single(where):
+    """Stock gloo (2.15) does not support it."""
+    world = 4 if where == "2 nodes" else 3
+    for rank, (errors, refused) in enumerate(run_ranks(_gather_single, world, **group_kind(where))):
+        assert errors == [], errors
+        assert "the output has" in refused and f"expected {world}" in refused, refused
+        if rank != 0:
+            assert "refused at the call" in refused, refused
 
 
 def test_bad_calls_give_clear_errors():

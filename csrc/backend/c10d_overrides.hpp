@@ -3,6 +3,19 @@
 // nodes), declared once: torch's signatures are long, and copies drift apart.
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/version.h>
+
+// torch 2.14 added gather_single (dist.gather_single: the root's parts in one tensor), which
+// neither gloo nor hca had before; hca gives it where torch has it.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+#define HCA_HAS_GATHER_SINGLE 1
+#define HCA_OVERRIDE_GATHER_SINGLE                                                                                    \
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input,                                 \
+                                               const c10d::GatherOptions& opts) override;
+#else
+#define HCA_HAS_GATHER_SINGLE 0
+#define HCA_OVERRIDE_GATHER_SINGLE
+#endif
 
 // The collectives every hca backend gives a form of its own.
 #define HCA_OVERRIDE_COLLECTIVES                                                                                      \
@@ -50,4 +63,5 @@
                                                      const c10d::AllgatherOptions& opts) override;                    \
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;                   \
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;                   \
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;                 \
+  HCA_OVERRIDE_GATHER_SINGLE

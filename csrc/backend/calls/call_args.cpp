@@ -294,6 +294,18 @@ void check_root_list(const std::vector<std::vector<at::Tensor>>& lists, bool is_
   for (const auto& t : lists[0]) check_like(t, like, like.numel(), slot.c_str(), op, like_what);
 }
 
+std::vector<std::vector<at::Tensor>> gather_single_slots(const at::Tensor& output, const at::Tensor& input, int size,
+                                                         bool is_root) {
+  if (!is_root) return {};
+  const int64_t part = input.numel();
+  check_like(output, input, part * size, "the output", "gather_single");
+  TORCH_CHECK_VALUE(output.is_contiguous(), "hca gather_single: the output must be contiguous");
+  const at::Tensor flat = output.view(-1);
+  std::vector<at::Tensor> slots;
+  for (int r = 0; r < size; ++r) slots.push_back(flat.narrow(0, r * part, part));
+  return {slots};
+}
+
 void check_tensor_form(const std::vector<at::Tensor>& wholes, const std::vector<at::Tensor>& parts, int size,
                        const char* whole, const char* part, const char* op) {
   TORCH_CHECK_VALUE(wholes.size() == parts.size(), "hca ", op, ": ", wholes.size(), " ", whole, "s for ",

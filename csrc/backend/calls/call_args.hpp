@@ -118,6 +118,11 @@ void check_like(const at::Tensor& t, const at::Tensor& like, int64_t numel, cons
 // own tensor, `like_what`: dtype, elements). ValueError, TypeError naming call `op`.
 void check_root_list(const std::vector<std::vector<at::Tensor>>& lists, bool is_root, const at::Tensor& like,
                      const char* like_what, int size, const char* op, const char* list, const char* root);
+// gather_single's `output` as the gather_list of a gather: on the root (`is_root`), `size` slots
+// of `input`'s elements, views into `output`, which must be contiguous and hold them all (a
+// ValueError, TypeError naming gather_single otherwise); on the others, no list.
+std::vector<std::vector<at::Tensor>> gather_single_slots(const at::Tensor& output, const at::Tensor& input, int size,
+                                                         bool is_root);
 // The tensor forms of all-gather and reduce-scatter: as many wholes (an all-gather's outputs,
 // a reduce-scatter's inputs: `whole`, "output") as parts (`part`), each whole of its part's
 // dtype and `size` times its elements. TypeError, ValueError naming call `op`.

@@ -295,6 +295,17 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::gather(std::vector<std::vector<at:
   });
 }
 
+#if HCA_HAS_GATHER_SINGLE
+c10::intrusive_ptr<c10d::Work> EngineBackend::gather_single(at::Tensor& output, at::Tensor& input,
+                                                            const c10d::GatherOptions& opts) {
+  return refusing("gather_single", {input}, [&] {
+    auto lists = gather_single_slots(output, input, getSize(), opts.rootRank == getRank());
+    std::vector<at::Tensor> inputs{input};
+    return gather(lists, inputs, opts);
+  });
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> EngineBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
