@@ -191,19 +191,33 @@ def _mismatched(rank, world, kind):
         call = lambda: dist.broadcast(torch.ones(10), src=rank)  # noqa: E731
     else:
         call = (lambda: dist.all_reduce(torch.ones(10))) if rank else (lambda: dist.broadcast(torch.ones(10), 0))
+    inputs = [[make_input(980 + i, r, 20_000, torch.float32, "SUM") for r in range(world)] for i in range(4)]
+    before = [inputs[i][rank].clone() for i in range(3)]
+    works = [dist.all_reduce(t, async_op=True) for t in before]  # still under way at the mismatch
     start = time.monotonic()
     msg = raises(call, dist.DistBackendError)
-    return msg, time.monotonic() - start
+    elapsed = time.monotonic() - start
+    after = inputs[3][rank].clone()
+    dist.all_reduce(after)
+    for work in works:
+        work.wait()
+    errors = [mismatch(f"all_reduce #{i}", t, reduce_reference(inputs[i], "SUM"), world)
+              for i, t in enumerate(before + [after])]
+    return msg, elapsed, [e for e in errors if e]
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("kind", ["numel", "dtype", "op", "src", "collective"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_mismatched_calls_fail_on_every_rank(world, kind, executor):
+    """Every rank raises, before any byte moves; the calls before finish, and the group goes on
+    (before, it was unusable after a mismatch, and on the stream executor the calls still under way
+    failed too)."""
     results = run_ranks(_mismatched, world, kind, pg_timeout_s=20, env=executor)
-    for msg, elapsed in results:
+    for msg, elapsed, errors in results:
         assert "mismatched calls" in msg, msg
         assert elapsed < 5
+        assert errors == [], errors
 
 
 # One rank's call is refused at the call (bad input) while its peers make theirs as it should be:
@@ -217,7 +231,7 @@ ONE_RANK_REFUSES = {
 }
 
 
-def _one_rank_refuses(rank, world, timeout_s, algorithm=None):
+def _one_rank_refuses(rank, world, timeout_s, algorithm=None, after=True):
     bad = rank == 1
     calls = {
         "a dtype hca does not reduce": lambda g: dist.all_reduce(
@@ -238,24 +252,34 @@ def _one_rank_refuses(rank, world, timeout_s, algorithm=None):
         start = time.monotonic()
         try:
             call(group)
-            seen[name] = ("no error", "", 0.0)
+            seen[name] = ("no error", "", 0.0, "")
         except Exception as e:  # noqa: BLE001
-            seen[name] = (type(e).__name__, str(e), time.monotonic() - start)
+            seen[name] = (type(e).__name__, str(e), time.monotonic() - start, "")
         dist.barrier()  # the default group, untouched
+        if after:  # the group goes on
+            t = torch.full((3,), float(rank))
+            try:
+                dist.all_reduce(t, group=group)
+                went_on = "" if t.tolist() == [world * (world - 1) / 2] * 3 else f"wrong: {t.tolist()}"
+            except Exception as e:  # noqa: BLE001
+                went_on = f"{type(e).__name__}: {e}"
+            seen[name] = seen[name][:3] + (went_on,)
     return seen
 
 
 @pytest.mark.parametrize("where", ["default", "nccl", "streams"])
 def test_a_call_refused_on_one_rank_fails_its_peers_at_once(where):
     """Before, the refused rank raised at once and its peers waited for it until the timeout (as
-    NCCL's and gloo's do); now the refusal takes the call's turn, and they raise at once, naming it.
+    NCCL's and gloo's do); now the refusal takes the call's turn, and they raise at once, naming it,
+    and the group goes on.
     (Every rank refusing alike leaves the group usable: test_misshapen_calls_are_value_errors_at_the_call.)"""
     world, timeout_s = 3, 60
     kw = {"env": STREAMS_ENV} if where == "streams" else group_kind(where)
     results = run_ranks(_one_rank_refuses, world, timeout_s, "nccl" if where == "nccl" else None, **kw)
     for rank, seen in enumerate(results):
         for name, (error, reason) in ONE_RANK_REFUSES.items():
-            kind, msg, elapsed = seen[name]
+            kind, msg, elapsed, went_on = seen[name]
+            assert went_on == "", (name, went_on)
             if rank == 1:
                 assert kind == error.__name__ and reason in msg, (name, kind, msg)
             else:
@@ -267,12 +291,13 @@ def test_across_nodes_a_refusal_reaches_the_refused_ranks_node():
     """Across nodes, the node's own group carries the refusal: rank 1's node-mate (rank 3) raises
     naming it; the other node's ranks are not told, and raise by the timeout, as for any failure of
     another node's stages."""
-    results = run_ranks(_one_rank_refuses, 4, 4, env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"])
+    results = run_ranks(_one_rank_refuses, 4, 4, None, False,
+                        env_per_rank=[{"TORCH_HCA_NODE_ID": node} for node in "abab"])
     for name, (error, reason) in ONE_RANK_REFUSES.items():
         if name in ("the gather root's list a tensor short", "all_to_all_single's splits one too many"):
             continue  # over every rank through gloo, agreed on: test_a_call_refused_on_one_rank_fails_its_peers_at_once
         assert results[1][name][0] == error.__name__, (name, results[1][name])
-        kind, msg, _ = results[3][name]
+        kind, msg, _, _ = results[3][name]
         assert kind == "DistBackendError" and "refused at the call" in msg and reason in msg, (name, msg)
         for rank in (0, 2):
             assert results[rank][name][0] == "DistBackendError", (name, results[rank][name])

@@ -71,7 +71,8 @@ class Executor {
   virtual ~Executor() = default;
   // Runs (shared memory) or issues in stream order (CUDA) one collective.
   // Throws hca::Failure (timeout, dead peer, mismatched call, earlier failure);
-  // once it has thrown, every later call throws too.
+  // once it has thrown, every later call throws too, but after a mismatched call
+  // (found by every rank before any byte moved), after which the group goes on.
   virtual void run(const Collective& collective) = 0;
   // Stream media only, after a call's last collective and whatever the caller
   // issued on `stream` after it: keeps `keep` alive until the device has passed
