@@ -63,7 +63,8 @@ void ShmExecutor::run(const Collective& collective) {
     control_.await_posted(ctx, collective.internal);
     runner_->run(collective, ctx, staged);
   } catch (const Failure& failure) {
-    // Mismatched calls moved no byte, and every rank found them at this collective: the group goes on.
+    // Mismatched calls (only await_posted finds them) moved no byte, and every rank found them at
+    // this collective: the group goes on.
     if (failure.kind() != FailureKind::Mismatch) control_.publish_failure(failure);
     throw;
   }

@@ -95,8 +95,8 @@ class StreamExecutor final : public Executor {
       }
       track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began);
     } catch (const Failure& failure) {
-      // Mismatched calls issued nothing, and every rank found them at this collective: the group
-      // goes on, and its calls before this one finish.
+      // Mismatched calls (only start() finds them) issued nothing, and every rank found them at
+      // this collective: the group goes on, and its calls before this one finish.
       if (failure.kind() == FailureKind::Mismatch) throw;
       if (!lock.owns_lock()) lock.lock();
       fail(failure);
