@@ -5,7 +5,6 @@
 
 #include <cstring>
 #include <new>
-#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -281,11 +280,20 @@ WaitContext ControlBlock::begin(const std::string& signature, std::chrono::milli
 }
 
 void ControlBlock::start(const std::string& signature, const WaitContext& ctx, bool internal) {
-  post(signature, internal);
+  post(signature, ctx, internal);
   await_posted(ctx, internal);
 }
 
-void ControlBlock::post(const std::string& signature, bool internal) {
+void ControlBlock::post(const std::string& signature, const WaitContext& ctx, bool internal) {
+  // This collective's slot is the one before the last's, which a late peer may still be reading
+  // (comparing it with its own): so first every peer has posted the last one. It always has, but
+  // after a mismatch, which a rank raises at the first peer whose call differs, and goes on.
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer == rank_) continue;
+    const RankSlot& theirs = slot(peer);
+    if (theirs.started.load(std::memory_order_acquire) >= collectives_) continue;
+    await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= collectives_; }, ctx);
+  }
   const uint64_t n = ++collectives_;
   if (internal) ++internal_;
   RankSlot& mine = slot(rank_);
@@ -306,21 +314,16 @@ bool ControlBlock::all_posted() const {
 void ControlBlock::await_posted(const WaitContext& ctx, bool internal) const {
   const uint64_t n = collectives_;
   const char* text = slot(rank_).signature[n % 2];
-  // The first peer whose call differs is named once every peer has posted this collective: a
-  // rank that raised at once could post two more before a late peer read its text here (two
-  // slots), and with every rank past this one the group goes on after the mismatch.
-  std::optional<Failure> mismatch;
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     const RankSlot& theirs = slot(peer);
     await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
-    if (!mismatch && std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
-      mismatch.emplace(FailureKind::Mismatch, internal ? ctx.operation : "collective #" + std::to_string(n - internal_),
-                       peer, "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
-                                 std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
+    if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
+      throw Failure(FailureKind::Mismatch, internal ? ctx.operation : "collective #" + std::to_string(n - internal_), peer,
+                    "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
+                        std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
     }
   }
-  if (mismatch) throw *mismatch;
 }
 
 void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all) {

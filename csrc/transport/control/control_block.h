@@ -115,14 +115,14 @@ class ControlBlock {
   // not numbered among the user's.
   WaitContext begin(const std::string& signature, std::chrono::milliseconds timeout, bool internal = false) const;
   // Posts this rank's next collective and waits until every peer has posted
-  // the same: throws Failure(Mismatch) naming both calls otherwise, once every peer
-  // has posted (every rank then finds it, and none is ahead: the group can go on).
+  // the same: throws Failure(Mismatch) naming both calls otherwise (every rank finds
+  // it at this collective, and the group can go on: post waits for late peers).
   // Every wait here also ends, with check_usable's Failure, once this rank has failed.
   void start(const std::string& signature, const WaitContext& ctx, bool internal = false);
   // start() in two halves, so that a rank can stage its own data while it waits for
-  // late peers: post() says which collective this rank calls; await_posted() waits
-  // until every peer has posted the same.
-  void post(const std::string& signature, bool internal = false);
+  // late peers: post() says which collective this rank calls, once every peer has
+  // posted the last one (within `ctx`); await_posted() waits until every peer has posted the same.
+  void post(const std::string& signature, const WaitContext& ctx, bool internal = false);
   void await_posted(const WaitContext& ctx, bool internal = false) const;
   // Whether every peer has posted this rank's last posted collective (or a later one), now.
   bool all_posted() const;

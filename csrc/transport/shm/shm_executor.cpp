@@ -58,7 +58,7 @@ void ShmExecutor::run(const Collective& collective) {
     // A rank that came early stages what it can while the others arrive: after
     // the last arrival that copy is no longer in anyone's way. Ranks that come
     // together stage round by round as before, each round read while the next is staged.
-    control_.post(collective.signature, collective.internal);
+    control_.post(collective.signature, ctx, collective.internal);
     const size_t staged = runner_->stage_ahead(collective, [&] { return !control_.all_posted(); });
     control_.await_posted(ctx, collective.internal);
     runner_->run(collective, ctx, staged);
