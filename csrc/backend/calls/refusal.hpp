@@ -14,7 +14,7 @@ namespace hca {
 
 // This thread's public call, from its first check until it is handed on (`refused_at_the_call`).
 struct RefusalScope {
-  int depth = 0;        // calls of a backend inside another's (a group across nodes calls its node's group)
+  bool open = false;  // a backend's call is under way (a group across nodes calls its node's group inside its own)
   bool handed_on = false;
 };
 RefusalScope& refusal_scope();
@@ -28,15 +28,12 @@ inline void mark_handed_on() { refusal_scope().handed_on = true; }
 template <typename Refuse, typename Call>
 auto refused_at_the_call(Refuse&& refuse, Call&& call) -> decltype(call()) {
   RefusalScope& scope = refusal_scope();
-  if (scope.depth > 0) return call();
-  struct Depth {
+  if (scope.open) return call();
+  struct Open {
     RefusalScope& scope;
-    explicit Depth(RefusalScope& s) : scope(s) {
-      scope.depth = 1;
-      scope.handed_on = false;
-    }
-    ~Depth() { scope.depth = 0; }
-  } depth(scope);
+    explicit Open(RefusalScope& s) : scope(s) { scope = {true, false}; }
+    ~Open() { scope.open = false; }
+  } open(scope);
   try {
     return call();
   } catch (const c10::ValueError& e) {
