@@ -139,8 +139,8 @@ def time_choices(rank, world, timer_group, device, sizes, report):
     import torch_hca
 
     dev = rank_device(device, rank)
-    groups = {label: dist.new_group(backend="hca", pg_options=options)
-              for label, backend, options in backends(world, device) if backend == "hca"}
+    options = {label: opts for label, backend, opts in backends(world, device) if backend == "hca"}
+    groups = {label: dist.new_group(backend="hca", pg_options=opts) for label, opts in options.items()}
     # The defaults again, in a group of their own: how far two runs of one setting differ here.
     groups[DEFAULTS_AGAIN] = dist.new_group(backend="hca", pg_options=torch_hca.Options())
     rows = []
@@ -152,19 +152,34 @@ def time_choices(rank, world, timer_group, device, sizes, report):
                 fn()  # a warm-up call each: the probe below is only 3 calls, for the large sizes' sake
             calls = calls_per_batch(modes, slowest_over_ranks(timer_group), probe=3, least=1)
             # What the defaults ran at this size, as the fixed setting's label (CPU all-reduces: chosen
-            # per call; a broadcast's defaults are fixed, and explain names no choice for them).
-            ran = None
-            if op == "all_reduce":
-                chosen = torch_hca.explain(numels=[t.numel()], group=groups[DEFAULTS], device=dev.type).chosen
-                ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
+            # per call; a broadcast's defaults are fixed, and explain names no choice for them), the
+            # cost model they chose by, and the fixed settings that run the very same plan here.
+            plans = {label: torch_hca.explain(numels=[t.numel()], group=groups[label], device=dev.type,
+                                              algorithm=opts.algorithm, num_packs=opts.num_packs,
+                                              collective=EXPLAINED_OPS[op])
+                     for label, opts in options.items()}
+            chosen = plans[DEFAULTS].chosen
+            ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
+            same_plan = [label for label in options if label != DEFAULTS and same_schedule(plans[label], plans[DEFAULTS])]
+            model = plans[DEFAULTS].cost_model
+            about_defaults = dict(ran=ran, same_plan=same_plan, cost_model=model.origin if model else None)
             samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
             halves = split_halves(samples, timer_group)
             for label, seconds in slowest_medians(samples, timer_group).items():
                 rows.append(dict(op=op, backend=label, world_size=world, size=nbytes, time_us=seconds * 1e6,
                                  halves_us=[h * 1e6 for h in halves[label]], timing="alternating",
-                                 **({"ran": ran} if label == DEFAULTS else {})))
+                                 **(about_defaults if label == DEFAULTS else {})))
                 report(rows[-1])
     return rows
+
+
+EXPLAINED_OPS = {"all_reduce": "allreduce", "broadcast": "broadcast"}
+
+
+def same_schedule(a, b):
+    """Whether two plans (torch_hca.explain) move the same pieces between the same ranks in the same
+    steps and rounds: two settings that run one plan differ in their timings by noise alone."""
+    return a.packs == b.packs and a.rounds == b.rounds and a.roles == b.roles
 
 
 def fixed_label(candidate, world):
@@ -321,6 +336,8 @@ def defaults_vs_best(rows):
             out.append(dict(op=key[0], world_size=key[1], size=key[2], default_us=default["time_us"],
                             best_fixed=best["backend"], best_fixed_us=best["time_us"],
                             ratio=default["time_us"] / best["time_us"], ran=default.get("ran"),
+                            same_plan=best["backend"] in default["same_plan"] if "same_plan" in default else None,
+                            cost_model=default.get("cost_model"),
                             noise=max(default["time_us"], again["time_us"]) / min(default["time_us"], again["time_us"])
                             if again else None, held_out=held_out_ratio(default, fixed)))
     return out
@@ -353,13 +370,12 @@ def within_summary(table):
     text = f"the defaults within 1.05x of the fastest fixed setting at {len(table) - len(behind)} of {len(table)} sizes"
     if not behind:
         return text
-    if any(t["ran"] is None for t in behind):
-        if all(t.get("held_out") for t in behind):  # alternating timings (--ops choice)
-            return text + f"; the {len(behind)} others' gaps: the held-out column says which hold up"
+    if any(t.get("same_plan") is None for t in behind):
         return (text + f"; the sweep timed each setting after the other, so the {len(behind)} others' "
                 "gaps include the machine's drift (--ops choice alternates them)")
-    same = [t for t in behind if t["ran"] == t["best_fixed"]]
-    return text + f"; of the {len(behind)} others, {len(same)} ran that very setting (the gap is noise)"
+    same = [t for t in behind if t["same_plan"]]
+    return (text + f"; of the {len(behind)} others, {len(same)} ran the very plan of that setting (their gap is "
+            "noise between two groups); the held-out column says whether the rest hold up")
 
 
 def print_defaults_vs_best(table):
@@ -368,13 +384,18 @@ def print_defaults_vs_best(table):
     print("\n# hca's defaults beside its fastest fixed setting (ratio > 1: the defaults are slower; held out: the\n"
           "# fastest picked on half the batches, both timed on the other half; noise: the defaults against\n"
           "# themselves in another group, slower / faster)")
-    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | its time (us) | ratio | held out | noise |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    for world, origin in dict.fromkeys((t["world_size"], t.get("cost_model")) for t in table):
+        if origin:
+            print(f"# {world} ranks: the defaults chose by the cost model of {origin}")
+    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | same plan | its time (us) | ratio | held out "
+          "| noise |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         noise = f"{t['noise']:.2f}" if t["noise"] else ""
         held_out = f"{t['held_out']:.2f}" if t.get("held_out") else ""
+        same = {True: "yes", False: "no"}.get(t.get("same_plan"), "")
         print(f"| {t['op']} | {t['world_size']} | {t['size']} | {t['default_us']:.1f} | {(t['ran'] or '')[4:]} | "
-              f"{t['best_fixed'][4:]} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {held_out} | {noise} |")
+              f"{t['best_fixed'][4:]} | {same} | {t['best_fixed_us']:.1f} | {t['ratio']:.2f} | {held_out} | {noise} |")
     print()
     for op in dict.fromkeys(t["op"] for t in table):
         print(f"{op}: " + within_summary([t for t in table if t["op"] == op]))

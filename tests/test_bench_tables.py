@@ -38,17 +38,42 @@ def test_no_held_out_ratio_without_halves():
     assert t["held_out"] is None
 
 
-def test_the_summary_blames_noise_only_where_it_knows_what_the_defaults_ran():
-    chosen = bench.defaults_vs_best([{**row(bench.DEFAULTS, 11.0), "ran": "hca/a"}, row("hca/a", 10.0)])
-    assert bench.within_summary(chosen).endswith("at 0 of 1 sizes; of the 1 others, 1 ran that very setting "
-                                                 "(the gap is noise)")
+def test_the_summary_blames_noise_only_where_the_fastest_setting_ran_the_defaults_plan():
+    def table(same_plan):
+        return bench.defaults_vs_best([{**row(bench.DEFAULTS, 11.0, [11.0, 11.0]), "same_plan": same_plan},
+                                       row("hca/a", 10.0, [10.0, 10.0]), row("hca/b", 10.5, [10.5, 10.5])])
+    [same] = table(["hca/a"])
+    assert same["same_plan"] is True
+    assert bench.within_summary([same]).startswith("the defaults within 1.05x of the fastest fixed setting at 0 of 1 "
+                                                   "sizes; of the 1 others, 1 ran the very plan of that setting")
+    [other] = table(["hca/b"])  # the defaults ran b's plan, and a, another plan, was faster
+    assert other["same_plan"] is False and ", 0 ran the very plan of that setting" in bench.within_summary([other])
     swept = bench.defaults_vs_best([row(bench.DEFAULTS, 11.0), row("hca/a", 10.0)])
+    assert swept[0]["same_plan"] is None
     assert "timed each setting after the other" in bench.within_summary(swept) and "noise" not in bench.within_summary(swept)
     assert bench.within_summary(bench.defaults_vs_best([row(bench.DEFAULTS, 10.0), row("hca/a", 10.0)])) == \
         "the defaults within 1.05x of the fastest fixed setting at 1 of 1 sizes"
-    # Alternating timings (halves) where what the defaults ran is not known (a broadcast): no sweep blamed.
-    alternated = bench.defaults_vs_best([row(bench.DEFAULTS, 11.0, [11.0, 11.0]), row("hca/a", 10.0, [10.0, 10.0])])
-    assert bench.within_summary(alternated).endswith("; the 1 others' gaps: the held-out column says which hold up")
+
+
+def plans_of_the_choice_settings(rank, world):
+    """What time_choices records of the plans: at 2 ranks a small all-reduce's one pack and
+    reduce_to_one_device are one plan; a broadcast's is every setting's on one node."""
+    import torch_hca
+    options = {label: opts for label, backend, opts in bench.backends(world, "cpu") if backend == "hca"}
+    groups = {label: dist.new_group(backend="hca", pg_options=opts) for label, opts in options.items()}
+    out = {}
+    for op, numel in (("all_reduce", 16), ("broadcast", 1 << 20)):
+        plans = {label: torch_hca.explain(numels=[numel], group=groups[label], algorithm=opts.algorithm,
+                                          num_packs=opts.num_packs, collective=bench.EXPLAINED_OPS[op])
+                 for label, opts in options.items()}
+        out[op] = sorted(label for label in options if bench.same_schedule(plans[label], plans["hca/hierarchical_copy"]))
+    return out
+
+
+def test_settings_that_run_one_plan_are_found_alike():
+    [plans, _] = run_ranks(plans_of_the_choice_settings, 2)
+    assert plans["all_reduce"] == sorted([bench.DEFAULTS, "hca/hierarchical_copy", "hca/reduce_to_one_device"])
+    assert plans["broadcast"] == sorted(label for label, backend, _ in bench.backends(2, "cpu") if backend == "hca")
 
 
 def test_the_table_takes_the_alternating_timings_of_their_op_and_the_sweep_for_the_others():
