@@ -31,10 +31,11 @@ def choice_runs(path):
 
 
 def fixed_times(choices):
-    """(world, bytes) -> {label: µs} of the fixed settings (the defaults' rows left out)."""
+    """(world, bytes) -> {label: µs} of the fixed settings' all-reduces, which the cost model chooses for (the
+    defaults' rows left out, and the broadcasts that runs since 2026-11-30 time beside them)."""
     times = {}
     for row in choices:
-        if row["backend"].startswith("hca/"):
+        if row["backend"].startswith("hca/") and row.get("op", "all_reduce") == "all_reduce":
             times.setdefault((row["world_size"], row["size"]), {})[row["backend"][len("hca/"):]] = row["time_us"]
     return times
 

@@ -114,7 +114,8 @@ def test_the_benchmark_names_a_wrong_argument_before_any_launch(args, needle, ca
 def test_score_choice_counts_where_a_models_choice_came_within_5_percent_of_the_fastest(tmp_path, capsys):
     """One run of 2 ranks: one pack fastest at 4 B, a pack per rank 1.2x faster at 1 MiB, direct within
     5% at 64 KiB. The shipped table (a pack per rank from a few KiB) scores all three; a cached model
-    that always keeps one pack, the 4 B size only. The defaults' own rows are not settings."""
+    that always keeps one pack, the 4 B size only. The defaults' own rows are not settings, and the
+    broadcasts timed beside the all-reduces are not what the model chooses for."""
     import json
 
     import score_choice
@@ -126,6 +127,9 @@ def test_score_choice_counts_where_a_models_choice_came_within_5_percent_of_the_
     choices = [dict(op="all_reduce", backend=f"hca/{label}", world_size=2, size=size, time_us=t)
                for size, by_label in times.items() for label, t in by_label.items()]
     choices += [dict(op="all_reduce", backend=bench.DEFAULTS, world_size=2, size=size, time_us=1.0) for size in times]
+    # Broadcasts where one pack is the slowest by far: scored as all-reduces, the shipped table's 4 B would miss.
+    choices += [dict(op="broadcast", backend=f"hca/{label}", world_size=2, size=size, time_us=100.0 if label ==
+                     "hierarchical_copy" else 1.0) for size, by_label in times.items() for label in by_label]
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"meta": {"cores": 2}, "choices": choices}))
     one_pack_always = costs.CostModel({name: costs.Line(0.0 if name == "one_pack" else 1e6, 1e9)
