@@ -125,13 +125,89 @@ def test_empty_tensors_reach_the_engine(world):
     assert run_ranks(empty_tensors, world, pg_options=torch_hca.Options("nccl")) == [[]] * world
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_that_disagree_on_a_call_all_raise_before_gloo_gets_it(world):
+def _mismatched_calls_and_where_agreed(rank, world, odd_ranks):
+    return mismatched_calls(rank, world, odd_ranks), dist.group.WORLD._get_backend(torch.device("cpu")).agreements
+
+
+@pytest.mark.parametrize("world, where", [(2, "one node"), (3, "one node"), (4, "2 nodes")])
+def test_ranks_that_disagree_on_a_call_all_raise_before_gloo_gets_it(world, where):
     """Other sizes, dtypes or calls on the last rank: gloo would abort the process (all_reduce,
     reduce, all-gathers, gather), write a broadcast short, or wait until its timeout and close its
-    connections. Every rank raises "mismatched calls" within seconds, and the group goes on."""
-    assert run_ranks(mismatched_calls, world, [world - 1], pg_options=torch_hca.Options("nccl"),
-                     pg_timeout_s=30) == [[]] * world
+    connections. Every rank raises "mismatched calls" within seconds, and the group goes on. The
+    ranks of one node agree through its shared memory, those of several nodes through gloo."""
+    env = [{"TORCH_HCA_NODE_ID": node} for node in "abab"] if where == "2 nodes" else None
+    agreed = "gloo" if where == "2 nodes" else "shared memory"
+    assert run_ranks(_mismatched_calls_and_where_agreed, world, [world - 1], pg_options=torch_hca.Options("nccl"),
+                     pg_timeout_s=30, env_per_rank=env) == [([], agreed)] * world
+
+
+def _dies_or_waits_for_a_dead_peer(rank, world, timeout_s):
+    """Rank 1 leaves its process while the others agree on an all_reduce (or wait to)."""
+    import os
+    import time
+
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3))
+        return "no error"
+    except dist.DistBackendError as e:
+        took = time.monotonic() - start
+        return None if "rank 1" in str(e) and "died" in str(e) and took < timeout_s / 3 else f"{took:.1f} s: {e}"
+
+
+def _shared_mappings():
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/torch_hca_" in line for line in f)
+
+
+def _agreements_ended(rank, world):
+    """A pass-through group agrees on an all_reduce, then rank 1 aborts it while rank 0 waits
+    for the next agreement; a second group is destroyed after a checked all_reduce. What rank 0
+    raised, how long it took, and the shared mappings before, with and after the second group."""
+    import time
+
+    aborted = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl"))
+    dist.all_reduce(torch.ones(2), group=aborted)
+    dist.barrier()
+    seen = None
+    if rank == 1:
+        time.sleep(0.5)
+        aborted._get_backend(torch.device("cpu")).abort()
+    elif rank == 0:
+        start = time.monotonic()
+        seen = (raises(lambda: dist.all_reduce(torch.ones(2), group=aborted), dist.DistBackendError),
+                time.monotonic() - start)
+    dist.barrier()
+    mappings = [_shared_mappings()]
+    kept = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl"))
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=kept)
+    mappings.append(_shared_mappings())
+    dist.barrier()
+    dist.destroy_process_group(kept)
+    mappings.append(_shared_mappings())
+    return seen, mappings, t.tolist()
+
+
+def test_an_abort_reaches_peers_waiting_to_agree_and_a_shutdown_lets_go_of_the_shared_memory():
+    results = run_ranks(_agreements_ended, 3, pg_timeout_s=60)
+    message, took = results[0][0]
+    assert "rank 1 aborted its process group" in message and took < 20, (message, took)
+    for seen, (before, during, after), t in results:
+        assert t == [6.0] * 5 and during > before and after == before, (t, before, during, after)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_peer_that_died_is_named_at_once(world):
+    """Where the ranks agree through shared memory, a rank waiting there for a peer whose process
+    is gone names it at once (gloo's own error, from the agreement through it, named no rank:
+    "Connection reset by peer")."""
+    results = run_ranks(_dies_or_waits_for_a_dead_peer, world, 60, pg_options=torch_hca.Options("nccl"),
+                        pg_timeout_s=60, allow_missing=[1])
+    assert [r for i, r in enumerate(results) if i != 1] == [None] * (world - 1), results
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -36,11 +36,13 @@ def _create(dist_backend_opts, backend_options):
     store = incarnation_store(dist_backend_opts.store, rank)
     timeout_ms = int(dist_backend_opts.timeout.total_seconds() * 1000)
     check_same_options(store, rank, size, options, timeout_ms)
+    identities, networks = exchange_identities(store, rank, size, timeout_ms)
     if options.algorithm == "nccl":
         cpu_engine, cuda_engine = _engines(dist_backend_opts, store)
+        # Ranks of one node agree on their CPU calls through its shared memory, the others through gloo.
         return _C.PassthroughBackend(rank=rank, size=size, timeout_ms=timeout_ms, packing=options.packing_options(),
-                                     cpu_engine=cpu_engine, cuda_engine=cuda_engine)
-    identities, networks = exchange_identities(store, rank, size, timeout_ms)
+                                     cpu_engine=cpu_engine, cuda_engine=cuda_engine,
+                                     one_node_store=store if len(set(identities)) == 1 else None)
     if len(set(identities)) == 1:
         return _node_group(store, rank, size, timeout_ms, options)
     try:

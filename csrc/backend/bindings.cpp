@@ -278,13 +278,17 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PassthroughBackend, c10d::Backend, GilFreeDestroy<PassthroughBackend>>(m, "PassthroughBackend")
       .def(py::init([](int rank, int size, int64_t timeout_ms, const PackingOptions& packing,
                        const c10::intrusive_ptr<c10d::Backend>& cpu_engine,
-                       const c10::intrusive_ptr<c10d::Backend>& cuda_engine) {
+                       const c10::intrusive_ptr<c10d::Backend>& cuda_engine,
+                       const c10::intrusive_ptr<c10d::Store>& one_node_store) {
              return GilFreeDestroy(c10::make_intrusive<PassthroughBackend>(
-                 rank, size, std::chrono::milliseconds(timeout_ms), packing, Engines{cpu_engine, cuda_engine}));
+                 rank, size, std::chrono::milliseconds(timeout_ms), packing, Engines{cpu_engine, cuda_engine},
+                 one_node_store));
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout_ms"), py::arg("packing"), py::arg("cpu_engine"),
-           py::arg("cuda_engine") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("cuda_engine") = py::none(), py::arg("one_node_store") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; })
+      .def_property_readonly("agreements", &PassthroughBackend::agreements)
       .def_property("_global_ranks", [](PassthroughBackend& pg) { return pg.calls().global_ranks(); },
                     [](PassthroughBackend& pg, const std::vector<int64_t>& ranks) {
                       pg.calls().set_global_ranks(ranks);

@@ -4,7 +4,10 @@
 
 #include <cstring>
 
+#include "../../transport/control/control_block.h"
 #include "../calls/call_args.hpp"
+#include "../group/owning_process.hpp"
+#include "../group/store_rendezvous.hpp"
 
 namespace hca {
 namespace {
@@ -130,5 +133,46 @@ void PendingAgreement::settle() {
 void agree_on_call(c10d::Backend& engine, CallTerms terms, const char* op, std::function<std::string(int)> member) {
   PendingAgreement(engine, std::move(terms), op, std::move(member)).settle();
 }
+
+SharedAgreements::SharedAgreements(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                   std::chrono::milliseconds timeout) {
+  StoreRendezvous rendezvous(store);
+  try {
+    control_ = std::make_unique<ControlBlock>(rendezvous, rank, size, timeout);
+  } catch (const std::exception& e) {
+    publish_setup_failure(rendezvous, rank, e.what());  // the peers raise it at once
+    throw;
+  }
+}
+
+SharedAgreements::~SharedAgreements() = default;
+
+void SharedAgreements::agree(const std::string& text, const char* op, std::chrono::milliseconds timeout) {
+  const size_t room = kSignatureBytes - 1;
+  std::string posted = text;
+  if (posted.size() > room) {
+    const std::string tail = " ~" + std::to_string(digest(text));
+    posted = fitted_text(text, room - tail.size()) + tail;
+  }
+  try {
+    control_->start(posted, control_->begin(posted, timeout));
+  } catch (const Failure& failure) {
+    if (failure.kind() == FailureKind::Mismatch) {  // found by every rank, before anything moved
+      C10_THROW_ERROR(DistBackendError, prefix(op) + failure.cause().substr(failure.cause().find(':') + 2));
+    }
+    if (failure.kind() != FailureKind::Unusable) control_->publish_failure(failure);
+    C10_THROW_ERROR(DistBackendError, "hca " + std::string(op) +
+                                          " (the ranks agreeing on the call before gloo gets it): " + failure.cause());
+  }
+}
+
+void SharedAgreements::abort(int rank) {
+  control_->publish_failure(
+      Failure(FailureKind::Aborted, "", rank, "rank " + std::to_string(rank) + " aborted its process group"));
+}
+
+void SharedAgreements::leave() { control_->mark_left(); }
+
+void SharedAgreements::leave_in_child() { hca::leave_in_child(control_); }
 
 }  // namespace hca

@@ -114,13 +114,15 @@ c10::intrusive_ptr<c10d::Work> EngineBackend::agreed_on_queue(c10d::OpType type,
                                                               std::function<void()> run) {
   auto work = c10::make_intrusive<WorkHCA>(getRank(), type, std::move(outputs),
                                            [this, terms = std::move(terms), op, run = std::move(run)] {
-                                             agree_on_call(cpu_engine(op), terms, op, [](int r) {
-                                               return "rank " + std::to_string(r);
-                                             });
+                                             agree(terms, op);
                                              run();
                                            });
   queue().submit(work, !async_op);
   return work;
+}
+
+void EngineBackend::agree(const CallTerms& terms, const char* op) {
+  agree_on_call(cpu_engine(op), terms, op, [](int r) { return "rank " + std::to_string(r); });
 }
 
 void EngineBackend::refuse_by_agreement(const char* op, const std::vector<at::Tensor>& tensors,

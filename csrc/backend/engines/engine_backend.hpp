@@ -183,9 +183,10 @@ class EngineBackend : public c10d::Backend {
                                std::forward<Call>(call));
   }
   void refuse_by_agreement(const char* op, const std::vector<at::Tensor>& tensors, const std::string& why) noexcept;
+  // The ranks agree on a call's `terms` before the CPU engine gets it: through that engine, here.
+  virtual void agree(const CallTerms& terms, const char* op);
   // A Work of the group's queue (a blocking call's runs on this thread when nothing is queued):
-  // the ranks agree on `terms` through the CPU engine, then `run` hands the call to the engine
-  // and waits for it.
+  // the ranks agree on `terms` (agree), then `run` hands the call to the engine and waits for it.
   c10::intrusive_ptr<c10d::Work> agreed_on_queue(c10d::OpType type, std::vector<at::Tensor> outputs, CallTerms terms,
                                                  const char* op, bool async_op, std::function<void()> run);
   // A list all-to-all of CPU tensors, which gloo's takes of one size only (NCCL's and hca's own

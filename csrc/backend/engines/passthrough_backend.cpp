@@ -9,8 +9,33 @@
 namespace hca {
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
-                                       Engines engines)
-    : EngineBackend(rank, size, std::move(engines)), timeout_(timeout), packing_(packing) {}
+                                       Engines engines, const c10::intrusive_ptr<c10d::Store>& one_node_store)
+    : EngineBackend(rank, size, std::move(engines)), timeout_(timeout), packing_(packing) {
+  if (one_node_store && size > 1) shared_ = std::make_unique<SharedAgreements>(one_node_store, rank, size, timeout);
+  agreed_in_shared_memory_ = shared_ != nullptr;
+}
+
+PassthroughBackend::~PassthroughBackend() {
+  if (shared_ && in_forked_child()) shared_->leave_in_child();
+}
+
+void PassthroughBackend::agree(const CallTerms& terms, const char* op) {
+  if (!shared_) return EngineBackend::agree(terms, op);
+  shared_->agree(terms.text, op, timeout_.load());
+  // An all-to-all's split sizes must pair up: gloo's sum checks that, once every rank is known
+  // to make this very all-to-all.
+  if (!terms.sends.empty()) EngineBackend::agree(terms, op);
+}
+
+void PassthroughBackend::end_parts(bool abort) {
+  if (shared_ && abort) {
+    shared_->abort(getRank());  // first: this rank's agreements, on any thread, give up at once
+  } else if (shared_) {  // a shutdown, once the calls inside are done: the peers are told it left
+    shared_->leave();
+    shared_.reset();
+  }
+  EngineBackend::end_parts(abort);
+}
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                              const c10d::AllreduceOptions& opts) {

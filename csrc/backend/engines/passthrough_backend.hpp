@@ -17,10 +17,19 @@ namespace hca {
 class PassthroughBackend : public EngineBackend {
  public:
   // `engines.cuda` may be null (torch without NCCL, or no GPU): CUDA tensors are then refused.
-  PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing, Engines engines);
+  // `one_node_store`: where every rank runs on one node (and there are several), the group's store,
+  // through which the ranks set up shared memory for their agreements on CPU calls; else null,
+  // and they agree through gloo.
+  PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing, Engines engines,
+                     const c10::intrusive_ptr<c10d::Store>& one_node_store = {});
+  ~PassthroughBackend() override;
 
   const std::string getBackendName() const override { return "hca"; }
   const PackingOptions& packing() const { return packing_; }
+  // Where the ranks agree on CPU calls: "shared memory", "gloo", or "none" (one rank).
+  std::string agreements() const {
+    return getSize() == 1 ? "none" : agreed_in_shared_memory_ ? "shared memory" : "gloo";
+  }
 
   HCA_OVERRIDE_COLLECTIVES
   void setTimeout(std::chrono::milliseconds timeout) override {
@@ -31,10 +40,14 @@ class PassthroughBackend : public EngineBackend {
  protected:
   void stop_queue() override { queue_.stop(); }
   WorkQueue& queue() override { return queue_; }
+  void agree(const CallTerms& terms, const char* op) override;
+  void end_parts(bool abort) override;
 
  private:
   std::atomic<std::chrono::milliseconds> timeout_;
   PackingOptions packing_;
+  std::unique_ptr<SharedAgreements> shared_;  // null: agreements through gloo (or after a shutdown)
+  bool agreed_in_shared_memory_ = false;
   WorkQueue queue_;
 };
 
