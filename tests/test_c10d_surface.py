@@ -452,9 +452,10 @@ def _errors(rank, world, trouble):
     return good, pg.get_error().name
 
 
+@pytest.mark.parametrize("where", ["default", "nccl"])  # the pass-through: its agreements' failures
 @pytest.mark.parametrize("trouble, kind", [("silent", "TIMEOUT"), ("dies", "REMOTE_ERROR"), ("abort", "COMM_ERROR")])
-def test_get_error_names_the_kind_of_failure(trouble, kind):
-    results = run_ranks(_errors, 2, trouble, pg_timeout_s=1, allow_missing=(1,))
+def test_get_error_names_the_kind_of_failure(trouble, kind, where):
+    results = run_ranks(_errors, 2, trouble, pg_timeout_s=1, allow_missing=(1,), **group_kind(where))
     assert results[0] == ("SUCCESS", kind), results
 
 

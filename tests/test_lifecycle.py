@@ -187,9 +187,7 @@ def _fork_after_init(rank, world):
         try:
             backend = dist.group.WORLD._get_backend(torch.device("cpu"))
             calls = [lambda: dist.all_reduce(torch.ones(8)), lambda: dist.send(torch.ones(2), (rank + 1) % world),
-                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier, pending.wait]
-            # hca's own groups have a get_error of their own; the pass-through has c10d's (torch 2.14 on).
-            calls += [] if type(backend).__name__ == "PassthroughBackend" else [backend.get_error]
+                     lambda: dist.broadcast(torch.ones(2), 0), dist.barrier, backend.get_error, pending.wait]
             errors = [raises(call, dist.DistBackendError) for call in calls]
             dist.destroy_process_group()  # neither hangs nor ends the parent's group
             os.write(write, json.dumps(errors).encode())
@@ -211,7 +209,7 @@ def _fork_after_init(rank, world):
 def test_a_child_forked_after_init_is_refused_and_leaves_the_group_alone(layout):
     for errors, status, wrong in run_ranks(_fork_after_init, 3, pg_timeout_s=20, **_layout(layout)):
         assert status == 0 and wrong is None, (status, wrong)
-        assert len(errors) == (5 if layout == PASSTHROUGH.values[0] else 6), errors
+        assert len(errors) == 6
         for message in errors:
             assert "was forked from the one that created the process group" in message, message
 

@@ -289,6 +289,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("algorithm", [](const PassthroughBackend&) { return "nccl"; })
       .def_property_readonly("agreements", &PassthroughBackend::agreements)
+      // Backend.get_error from torch 2.14 on; here for older torch too.
+      .def("get_error", &PassthroughBackend::getError)
       .def_property("_global_ranks", [](PassthroughBackend& pg) { return pg.calls().global_ranks(); },
                     [](PassthroughBackend& pg, const std::vector<int64_t>& ranks) {
                       pg.calls().set_global_ranks(ranks);

@@ -2,6 +2,7 @@
 
 #include <ATen/core/jit_type.h>
 
+#include "../../transport/control/failure.h"
 #include "../../transport/control/thread_slice.h"
 #include "../../transport/shm/progress.h"
 
@@ -385,6 +386,17 @@ void WorkQueue::submit(const c10::intrusive_ptr<WorkHCA>& work, bool run_inline)
     const std::string op = c10d::opTypeToString(work->retrieveOpType());
     C10_THROW_ERROR(DistBackendError, "hca " + op + ": the process group was shut down (destroy_process_group, "
                                       "shutdown or abort); create a new one");
+  }
+}
+
+c10d::ErrorType error_type(uint32_t kind) {
+  switch (static_cast<FailureKind>(kind)) {
+    case FailureKind::None: return c10d::ErrorType::SUCCESS;
+    case FailureKind::Timeout: return c10d::ErrorType::TIMEOUT;
+    case FailureKind::PeerDied:
+    case FailureKind::PeerFailed:
+    case FailureKind::BetweenNodes: return c10d::ErrorType::REMOTE_ERROR;
+    default: return c10d::ErrorType::COMM_ERROR;
   }
 }
 

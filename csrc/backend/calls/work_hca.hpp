@@ -4,6 +4,7 @@
 // Work completes a Future, which DDP reads; its callbacks may issue collectives.
 #pragma once
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -40,6 +41,10 @@ class DeviceCompletion {
 };
 
 class WorkQueueState;
+
+// What Backend.get_error says of a rank whose first published failure is `kind` (a FailureKind,
+// 0 while healthy): a peer's failure or death is REMOTE_ERROR, a timeout TIMEOUT.
+c10d::ErrorType error_type(uint32_t kind);
 
 class WorkHCA : public c10d::Work {
  public:

@@ -173,6 +173,8 @@ void SharedAgreements::abort(int rank) {
 
 void SharedAgreements::leave() { control_->mark_left(); }
 
+uint32_t SharedAgreements::failure_word(int rank) const { return control_->failure_word(rank).load(); }
+
 void SharedAgreements::leave_in_child() { hca::leave_in_child(control_); }
 
 }  // namespace hca

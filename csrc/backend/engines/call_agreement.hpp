@@ -73,6 +73,8 @@ class SharedAgreements {
   // Tells peers waiting on this rank that it aborted (they raise at once), or that it left.
   void abort(int rank);
   void leave();
+  // This rank's first published failure (a FailureKind; 0 while healthy).
+  uint32_t failure_word(int rank) const;
   // In a process forked from the group's: the parent's block, left as it is.
   void leave_in_child();
 

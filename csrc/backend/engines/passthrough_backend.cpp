@@ -31,10 +31,18 @@ void PassthroughBackend::end_parts(bool abort) {
   if (shared_ && abort) {
     shared_->abort(getRank());  // first: this rank's agreements, on any thread, give up at once
   } else if (shared_) {  // a shutdown, once the calls inside are done: the peers are told it left
+    std::lock_guard<std::mutex> lock(shared_mutex_);
     shared_->leave();
+    failure_at_end_ = shared_->failure_word(getRank());
     shared_.reset();
   }
   EngineBackend::end_parts(abort);
+}
+
+c10d::ErrorType PassthroughBackend::getError() {
+  check_process("get_error");
+  std::lock_guard<std::mutex> lock(shared_mutex_);
+  return error_type(shared_ ? shared_->failure_word(getRank()) : failure_at_end_);
 }
 
 c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Tensor>& tensors,

@@ -4,6 +4,7 @@
 // the engine as it is.
 #pragma once
 #include <atomic>
+#include <mutex>
 #include <optional>
 #include "../../plan/packing.h"
 #include "../c10d_overrides.hpp"
@@ -31,6 +32,10 @@ class PassthroughBackend : public EngineBackend {
     return getSize() == 1 ? "none" : agreed_in_shared_memory_ ? "shared memory" : "gloo";
   }
 
+  // Where the ranks agree through shared memory, this rank's first failure there (a peer's
+  // timeout, death, abort; its own abort), as ProcessGroupHCA's; else SUCCESS (gloo keeps none).
+  c10d::ErrorType getError() override;
+
   HCA_OVERRIDE_COLLECTIVES
   void setTimeout(std::chrono::milliseconds timeout) override {
     timeout_ = timeout;
@@ -48,6 +53,8 @@ class PassthroughBackend : public EngineBackend {
   PackingOptions packing_;
   std::unique_ptr<SharedAgreements> shared_;  // null: agreements through gloo (or after a shutdown)
   bool agreed_in_shared_memory_ = false;
+  std::mutex shared_mutex_;         // get_error beside a shutdown's release of `shared_`
+  uint32_t failure_at_end_ = 0;     // this rank's failure word when `shared_` was released
   WorkQueue queue_;
 };
 

@@ -139,14 +139,7 @@ c10d::ErrorType ProcessGroupHCA::getError() {
   life_.owner().check("get_error");
   uint32_t word = failure_at_end_.load();
   if (auto call = life_.try_enter()) word = control_->failure_word(getRank()).load();
-  switch (static_cast<FailureKind>(word)) {
-    case FailureKind::None: return c10d::ErrorType::SUCCESS;
-    case FailureKind::Timeout: return c10d::ErrorType::TIMEOUT;
-    case FailureKind::PeerDied:
-    case FailureKind::PeerFailed:
-    case FailureKind::BetweenNodes: return c10d::ErrorType::REMOTE_ERROR;
-    default: return c10d::ErrorType::COMM_ERROR;
-  }
+  return error_type(word);
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupHCA::getBackendOptions() {
