@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
-from torch_hca.ranks import rows_from_ranks, write_rows
+from torch_hca.ranks import rows_by_world_size, write_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import alternating_medians  # noqa: E402
@@ -67,9 +67,7 @@ def main():
     parser.add_argument("--world-sizes", type=int_list_arg("integers such as 1,2,4", 1), default="1,2,3,4")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args()
-    rows = []
-    for world in args.world_sizes:
-        rows += rows_from_ranks(worker, world, lambda init, out: (world, init, out))
+    rows = rows_by_world_size(worker, args.world_sizes)
     print("| ranks | size | blocking | async | blocking again | async / blocking | again / blocking "
           "| overlap - sleep |")
     print("|---|---|---|---|---|---|---|---|")

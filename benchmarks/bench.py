@@ -55,6 +55,11 @@ def backends(world, device):
     return rows
 
 
+def hca_settings(world, device):
+    """label -> torch_hca.Options of every hca contender of backends(): the defaults and each fixed setting."""
+    return {label: options for label, backend, options in backends(world, device) if backend == "hca"}
+
+
 def synchronized(fn, dev):
     """fn, then (on CUDA) a wait for the device: the time a caller sees its result in."""
     if dev.type != "cuda":
@@ -139,7 +144,7 @@ def time_choices(rank, world, timer_group, device, sizes, report):
     import torch_hca
 
     dev = rank_device(device, rank)
-    options = {label: opts for label, backend, opts in backends(world, device) if backend == "hca"}
+    options = hca_settings(world, device)
     groups = {label: dist.new_group(backend="hca", pg_options=opts) for label, opts in options.items()}
     # The defaults again, in a group of their own: how far two runs of one setting differ here.
     groups[DEFAULTS_AGAIN] = dist.new_group(backend="hca", pg_options=torch_hca.Options())
@@ -154,13 +159,11 @@ def time_choices(rank, world, timer_group, device, sizes, report):
             # What the defaults ran at this size, as the fixed setting's label (CPU all-reduces: chosen
             # per call; a broadcast's defaults are fixed, and explain names no choice for them), the
             # cost model they chose by, and the fixed settings that run the very same plan here.
-            plans = {label: torch_hca.explain(numels=[t.numel()], group=groups[label], device=dev.type,
-                                              algorithm=opts.algorithm, num_packs=opts.num_packs,
-                                              collective=EXPLAINED_OPS[op])
-                     for label, opts in options.items()}
+            plans = plans_of(groups, options, op, t.numel(), dev.type)
             chosen = plans[DEFAULTS].chosen
             ran = f"hca/{fixed_label(chosen, world)}" if chosen else None
-            same_plan = [label for label in options if label != DEFAULTS and same_schedule(plans[label], plans[DEFAULTS])]
+            same_plan = [label for label in options
+                         if label != DEFAULTS and same_schedule(plans[label], plans[DEFAULTS])]
             model = plans[DEFAULTS].cost_model
             about_defaults = dict(ran=ran, same_plan=same_plan, cost_model=model.origin if model else None)
             samples = alternating_samples(modes, calls, 16, lambda: dist.barrier(group=timer_group))
@@ -174,6 +177,16 @@ def time_choices(rank, world, timer_group, device, sizes, report):
 
 
 EXPLAINED_OPS = {"all_reduce": "allreduce", "broadcast": "broadcast"}
+
+
+def plans_of(groups, options, op, numel, device):
+    """label -> the plan (torch_hca.explain) that the group of each setting in `options` (label ->
+    torch_hca.Options) runs for `op` (CHOICE_OPS) on `numel` float32 elements of `device`'s."""
+    import torch_hca
+
+    return {label: torch_hca.explain(numels=[numel], group=groups[label], device=device, algorithm=opts.algorithm,
+                                     num_packs=opts.num_packs, collective=EXPLAINED_OPS[op])
+            for label, opts in options.items()}
 
 
 def same_schedule(a, b):
@@ -387,8 +400,8 @@ def print_defaults_vs_best(table):
     for world, origin in dict.fromkeys((t["world_size"], t.get("cost_model")) for t in table):
         if origin:
             print(f"# {world} ranks: the defaults chose by the cost model of {origin}")
-    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | same plan | its time (us) | ratio | held out "
-          "| noise |")
+    print("| op | ranks | size | defaults (us) | they ran | fastest fixed | same plan | its time (us) | ratio "
+          "| held out | noise |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for t in table:
         noise = f"{t['noise']:.2f}" if t["noise"] else ""

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
 from torch_hca.reference import all_gather_single, reduce_scatter_single
-from torch_hca.ranks import rows_from_ranks, write_rows
+from torch_hca.ranks import rows_by_world_size, write_rows
 
 SIZES = (64 << 10, 1 << 20, 4 << 20, 16 << 20)
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -87,9 +87,7 @@ def main():
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args()
-    rows = []
-    for world in args.world_sizes:
-        rows += rows_from_ranks(worker, world, lambda init, out: (world, init, args.late_ms, args.calls, out))
+    rows = rows_by_world_size(worker, args.world_sizes, args.late_ms, args.calls)
     print(f"us after the last rank arrived, median of {args.calls} calls; one rank late by {args.late_ms:g} ms")
     print("| ranks | op | size | all late | one late | ratio |")
     print("|---|---|---|---|---|---|")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torch_hca.bench import int_list_arg
-from torch_hca.ranks import rows_from_ranks, write_rows
+from torch_hca.ranks import rows_by_world_size, write_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import alternating_medians  # noqa: E402
@@ -64,9 +64,7 @@ def main():
     parser.add_argument("--world-sizes", type=int_list_arg("integers such as 2,3", 2), default="2,3")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args()
-    rows = []
-    for world in args.world_sizes:
-        rows += rows_from_ranks(worker, world, lambda init, out: (world, init, out))
+    rows = rows_by_world_size(worker, args.world_sizes)
     print(f"pass-through agreements: {rows[0]['agreements']}")
     print("| ranks | size | gloo blocking | pass-through blocking | ratio | gloo async | pass-through async | ratio |")
     print("|---|---|---|---|---|---|---|---|")

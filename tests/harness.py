@@ -132,6 +132,12 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 
+def shared_mappings():
+    """How many of this process's mappings are hca's shared-memory segments."""
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        return sum("/dev/shm/torch_hca_" in line for line in f)
+
+
 def raises(fn, exc_type):
     """What `fn` raised as `exc_type` (its message), or a line starting UNEXPECTED."""
     try:

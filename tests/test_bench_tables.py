@@ -58,22 +58,20 @@ def test_the_summary_blames_noise_only_where_the_fastest_setting_ran_the_default
 def plans_of_the_choice_settings(rank, world):
     """What time_choices records of the plans: at 2 ranks a small all-reduce's one pack and
     reduce_to_one_device are one plan; a broadcast's is every setting's on one node."""
-    import torch_hca
-    options = {label: opts for label, backend, opts in bench.backends(world, "cpu") if backend == "hca"}
+    options = bench.hca_settings(world, "cpu")
     groups = {label: dist.new_group(backend="hca", pg_options=opts) for label, opts in options.items()}
     out = {}
     for op, numel in (("all_reduce", 16), ("broadcast", 1 << 20)):
-        plans = {label: torch_hca.explain(numels=[numel], group=groups[label], algorithm=opts.algorithm,
-                                          num_packs=opts.num_packs, collective=bench.EXPLAINED_OPS[op])
-                 for label, opts in options.items()}
-        out[op] = sorted(label for label in options if bench.same_schedule(plans[label], plans["hca/hierarchical_copy"]))
+        plans = bench.plans_of(groups, options, op, numel, "cpu")
+        one_pack = plans["hca/hierarchical_copy"]
+        out[op] = sorted(label for label in options if bench.same_schedule(plans[label], one_pack))
     return out
 
 
 def test_settings_that_run_one_plan_are_found_alike():
     [plans, _] = run_ranks(plans_of_the_choice_settings, 2)
     assert plans["all_reduce"] == sorted([bench.DEFAULTS, "hca/hierarchical_copy", "hca/reduce_to_one_device"])
-    assert plans["broadcast"] == sorted(label for label, backend, _ in bench.backends(2, "cpu") if backend == "hca")
+    assert plans["broadcast"] == sorted(bench.hca_settings(2, "cpu"))
 
 
 def test_the_table_takes_the_alternating_timings_of_their_op_and_the_sweep_for_the_others():

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
-from harness import STREAMS_ENV, raises, run_ranks
+from harness import STREAMS_ENV, raises, run_ranks, shared_mappings
 from reference import make_input, mismatch, reduce_reference
 
 EXECUTORS = [pytest.param({}, id="shm"), pytest.param(STREAMS_ENV, id="streams")]
@@ -27,11 +27,6 @@ def _layout(layout):
 
 def _threads():
     return len(os.listdir(f"/proc/{os.getpid()}/task"))
-
-
-def _mappings():
-    with open(f"/proc/{os.getpid()}/maps") as f:
-        return sum("/dev/shm/torch_hca_" in line for line in f)
 
 
 def _checked_allreduce(rank, world, group, case):
@@ -58,20 +53,20 @@ def _kept_after_destroy(rank, world):
     threads and mappings before it, while it runs, after the destroy, and after a second group's
     life; what went wrong in either; and a later call's error."""
     dist.barrier()  # the world group's executor is set up at its first collective: before the count
-    threads, mappings = [_threads()], [_mappings()]
+    threads, mappings = [_threads()], [shared_mappings()]
     group, wrong = _used_group(rank, world, 1)
     threads.append(_threads())
-    mappings.append(_mappings())
+    mappings.append(shared_mappings())
     dist.barrier()  # every rank is done with the group before any destroys it
     dist.destroy_process_group(group)
     threads.append(_threads())
-    mappings.append(_mappings())
+    mappings.append(shared_mappings())
     message = raises(lambda: group.allreduce([torch.ones(4)]).wait(), dist.DistBackendError)
     second, wrong_second = _used_group(rank, world, 2)
     dist.barrier()
     dist.destroy_process_group(second)
     threads.append(_threads())
-    mappings.append(_mappings())
+    mappings.append(shared_mappings())
     return threads, mappings, wrong or wrong_second, message
 
 

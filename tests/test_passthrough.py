@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks
+from harness import NCCL_SHARED_GPU_ENV, nccl_fits, raises, run_ranks, shared_mappings
 from node_cases import (ddp_hca_and_gloo, empty_tensors, forwarded_ops, fsdp2_hca_and_gloo, mismatched_calls,
                         messages_through_gloo, strided_engine_ops)
 from reference import (OPS, all_gather_single, make_input, mismatch, rank_device, reduce_reference,
@@ -158,11 +158,6 @@ def _dies_or_waits_for_a_dead_peer(rank, world, timeout_s):
         return None if "rank 1" in str(e) and "died" in str(e) and took < timeout_s / 3 else f"{took:.1f} s: {e}"
 
 
-def _shared_mappings():
-    with open("/proc/self/maps") as f:
-        return sum("/dev/shm/torch_hca_" in line for line in f)
-
-
 def _agreements_ended(rank, world):
     """A pass-through group agrees on an all_reduce, then rank 1 aborts it while rank 0 waits
     for the next agreement; a second group is destroyed after a checked all_reduce. What rank 0
@@ -181,14 +176,14 @@ def _agreements_ended(rank, world):
         seen = (raises(lambda: dist.all_reduce(torch.ones(2), group=aborted), dist.DistBackendError),
                 time.monotonic() - start)
     dist.barrier()
-    mappings = [_shared_mappings()]
+    mappings = [shared_mappings()]
     kept = dist.new_group(backend="hca", pg_options=torch_hca.Options("nccl"))
     t = torch.full((5,), float(rank + 1))
     dist.all_reduce(t, group=kept)
-    mappings.append(_shared_mappings())
+    mappings.append(shared_mappings())
     dist.barrier()
     dist.destroy_process_group(kept)
-    mappings.append(_shared_mappings())
+    mappings.append(shared_mappings())
     return seen, mappings, t.tolist()
 
 

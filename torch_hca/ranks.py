@@ -49,6 +49,15 @@ def rows_from_ranks(fn, nprocs: int, make_args):
             return json.load(f)
 
 
+def rows_by_world_size(fn, world_sizes, *args):
+    """rows_from_ranks for each world size in turn, fn(rank, world, init_method, *args, out): every
+    launch's rows, in order."""
+    rows = []
+    for world in world_sizes:
+        rows += rows_from_ranks(fn, world, lambda init, out: (world, init, *args, out))
+    return rows
+
+
 def write_rows(rank, rows, out):
     """On rank 0, `rows` as the JSON that rows_from_ranks reads back from `out`."""
     if rank == 0:
