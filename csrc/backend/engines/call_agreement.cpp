@@ -158,7 +158,9 @@ void SharedAgreements::agree(const std::string& text, const char* op, std::chron
     control_->start(posted, control_->begin(posted, timeout));
   } catch (const Failure& failure) {
     if (failure.kind() == FailureKind::Mismatch) {  // found by every rank, before anything moved
-      C10_THROW_ERROR(DistBackendError, prefix(op) + failure.cause().substr(failure.cause().find(':') + 2));
+      const std::string& cause = failure.cause();  // worded as the gloo route words it, under its prefix
+      const size_t said = cause.rfind(kMismatchedCalls, 0) == 0 ? std::strlen(kMismatchedCalls) : 0;
+      C10_THROW_ERROR(DistBackendError, prefix(op) + cause.substr(said));
     }
     if (failure.kind() != FailureKind::Unusable) control_->publish_failure(failure);
     C10_THROW_ERROR(DistBackendError, "hca " + std::string(op) +

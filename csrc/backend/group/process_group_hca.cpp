@@ -254,7 +254,7 @@ void ProcessGroupHCA::ask_where_cuda_tensors_are(const std::string& gpu) {
         control_->check_peer(peer, ctx);
         if (control_->started_by(peer) > issued && !rendezvous.has(report_key(topic, peer))) {
           throw Failure(FailureKind::Mismatch, ctx.operation, peer,
-                        "mismatched calls: rank " + std::to_string(getRank()) +
+                        kMismatchedCalls + ("rank " + std::to_string(getRank())) +
                             "'s next collective is on CUDA tensors, but rank " + std::to_string(peer) + " called " +
                             control_->last_started_signature(peer));
         }

@@ -320,7 +320,7 @@ void ControlBlock::await_posted(const WaitContext& ctx, bool internal) const {
     await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
     if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
       throw Failure(FailureKind::Mismatch, internal ? ctx.operation : "collective #" + std::to_string(n - internal_), peer,
-                    "mismatched calls: rank " + std::to_string(rank_) + " called " + text + " but rank " +
+                    kMismatchedCalls + ("rank " + std::to_string(rank_)) + " called " + text + " but rank " +
                         std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
     }
   }

@@ -7,6 +7,9 @@
 
 namespace hca {
 
+// How a Mismatch failure's cause begins; the rest names the ranks and what each called.
+inline constexpr char kMismatchedCalls[] = "mismatched calls: ";
+
 enum class FailureKind : uint32_t {
   None = 0,
   Timeout,     // a peer did not arrive or progress before the deadline
