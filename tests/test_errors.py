@@ -428,6 +428,35 @@ def _hostile_peer(rank, world, seeds):
     return outcomes
 
 
+def test_a_peers_text_keeps_whole_utf8_characters_and_always_decodes():
+    """gloo's messages end in an emoji ("GLHF! 🏖️"), which ranks reading a peer's failure from shared
+    memory showed as "GLHF! ???????". Whole characters are kept now; control bytes, cut characters and
+    malformed sequences still become '?', so that the exception's message decodes."""
+    import random
+
+    show = torch_hca._C._peer_text
+    assert show("GLHF! 🏖️".encode(), 64) == "GLHF! 🏖️"
+    assert show(b"a\x01b\x7fc", 64) == "a?b?c"
+    assert show("é€𝄞".encode()[:-1], 64) == "é€???"  # the last character cut
+    # An overlong form, a surrogate, a code point past U+10FFFF, a byte no character starts with.
+    assert show(b"\xc0\x80 \xed\xa0\x80 \xf4\x90\x80\x80 \xff", 64) == "?? ??? ???? ?"
+    assert show(b"abcdef", 3) == "abc"
+    rnd = random.Random(0)
+    whole = 0
+    for _ in range(3000):
+        raw = bytes(rnd.choice([rnd.randrange(0x20, 0x7f), rnd.randrange(0x80, 0x100)])
+                    for _ in range(rnd.randrange(12)))
+        shown = show(raw, 64)  # a str: it decoded
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            assert "?" in shown and len(shown) <= len(raw), (raw, shown)
+            continue
+        assert shown == text, (raw, shown)
+        whole += 1
+    assert whole > 300, whole  # enough valid text among the draws
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_hostile_peer_gives_errors_not_crashes(world):
     results = run_ranks(_hostile_peer, world, list(range(12)), pg_timeout_s=60)

@@ -1,6 +1,7 @@
 """hca across nodes: the node level of the plan, then real runs, first with nodes named by
 TORCH_HCA_NODE_ID on this host, then with each node in its own network and UTS namespace and
 /dev/shm, then as containers of one host that do or do not share /dev/shm."""
+import re
 import socket
 import time
 
@@ -342,6 +343,10 @@ def test_a_dead_named_node_is_reported_by_the_others(model):
         assert kind == "DistBackendError", message
         assert "across nodes failed" in message and "node 0 of 2 (ranks 0, 1)" in message
         assert seconds < 20
+    # The leader raises gloo's words; its node's other rank reads them from shared memory: the same words,
+    # the emoji they end with included.
+    gloo_words = [re.search(r"\[[^\]]*gloo[^\]]*\].*", message, re.S) for _, message, _ in got[:2]]
+    assert all(gloo_words) and gloo_words[0].group(0) == gloo_words[1].group(0), got[:2]
 
 
 # ---------------------------------------------------------------- separate hosts: network namespaces

@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include <algorithm>
 #include <map>
 #include <thread>
 #include <tuple>
@@ -11,6 +12,7 @@
 #include "../plan/rounds.h"
 #include "../plan/topology.h"
 #include "../transport/control/outside_load.h"
+#include "../transport/control/peer_text.h"
 #include "../transport/control/segment.h"
 #include "../transport/shm/mailbox.h"
 #include "../transport/cuda/cuda_executor.h"
@@ -359,6 +361,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("group"), py::arg("seconds"), py::call_guard<py::gil_scoped_release>(),
       "Tests: the cores' worth of CPU that processes other than `group` (pids) used over `seconds`, "
       "as a wait judges a late yield");
+  m.def(
+      "_peer_text",
+      [](const py::bytes& text, size_t capacity) {
+        const std::string bytes = text;
+        return peer_text(bytes.c_str(), std::min(capacity, bytes.size() + 1));
+      },
+      py::arg("text"), py::arg("capacity"),
+      "Tests: how hca shows `text` (at most `capacity` bytes) that a peer wrote into shared memory");
   m.def("shared_memory_identity", &shared_memory_identity,
         "This process's kernel (boot id) and /dev/shm (its device): equal for ranks that share memory");
   // Tests: joins the segment the store names under `key` as `rank` (rank 0 creates it and

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../../plan/types.h"
+#include "peer_text.h"
 
 namespace hca {
 namespace {
@@ -110,15 +111,10 @@ bool ControlBlock::alive(int peer) const {
 
 namespace {
 
-// Text from a slot, which another process wrote: bounded, and printable ASCII
-// only (it ends up in a Python exception's message, which must decode).
+// Text from a slot, which another process wrote: bounded by the slot, and safe to show.
 template <size_t N>
 std::string slot_text(const char (&text)[N]) {
-  std::string out(text, strnlen(text, N));
-  for (char& c : out) {
-    if (c < 0x20 || c > 0x7e) c = '?';
-  }
-  return out;
+  return peer_text(text, N);
 }
 
 }  // namespace
