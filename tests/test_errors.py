@@ -220,6 +220,72 @@ def test_mismatched_calls_fail_on_every_rank(world, kind, executor):
         assert errors == [], errors
 
 
+def _random_mismatch(rank, world, seed):
+    """A group of random options; up to three async all-reduces under way; then one rank (`victim`) calls
+    something else than its peers, in one of many ways; then an all-reduce that all agree on."""
+    import random
+
+    from test_random_sequences import _random_options
+
+    rnd = random.Random(seed)  # every rank draws the same
+    options = _random_options(rnd, world, nccl=True)
+    victim, n = rnd.randrange(world), rnd.choice([1, 10, 1000, 70_001])
+    group = dist.new_group(timeout=timedelta(seconds=15), pg_options=torch_hca.Options(**options))
+    bad = rank == victim
+    m = n + bad
+    splits = [2 if bad and peer == (rank + 1) % world else 1 for peer in range(world)]
+    dst = (victim + 1) % world if bad else victim
+    calls = {
+        "numel": lambda: dist.all_reduce(torch.ones(m), group=group),
+        "dtype": lambda: dist.all_reduce(torch.ones(n, dtype=torch.float64 if bad else torch.float32), group=group),
+        "op": lambda: dist.all_reduce(torch.ones(n), op=dist.ReduceOp.MAX if bad else dist.ReduceOp.SUM, group=group),
+        "src": lambda: dist.broadcast(torch.ones(n), src=dst, group=group),
+        "collective": lambda: (dist.broadcast(torch.ones(n), 0, group=group) if bad
+                               else dist.all_reduce(torch.ones(n), group=group)),
+        "all_gather numel": lambda: dist.all_gather_into_tensor(torch.empty(m * world), torch.ones(m), group=group),
+        "reduce_scatter numel": lambda: dist.reduce_scatter_tensor(torch.empty(m), torch.ones(m * world), group=group),
+        "all_to_all splits": lambda: dist.all_to_all_single(torch.empty(world), torch.ones(sum(splits)),
+                                                            [1] * world, splits, group=group),
+        "gather dst": lambda: dist.gather(torch.ones(n), [torch.empty(n) for _ in range(world)] if rank == dst else None,
+                                          dst=dst, group=group),
+        "barrier": lambda: dist.barrier(group=group) if bad else dist.all_reduce(torch.ones(n), group=group),
+    }
+    kind = rnd.choice(sorted(calls))
+    inputs = [[make_input(seed * 10 + i, r, 5000, torch.float32, "SUM") for r in range(world)] for i in range(4)]
+    before = [inputs[i][rank].clone() for i in range(rnd.randrange(4))]
+    works = [dist.all_reduce(t, async_op=True, group=group) for t in before]
+    start = time.monotonic()
+    try:
+        calls[kind]()
+        msg = "UNEXPECTED: no exception"
+    except (dist.DistBackendError, ValueError) as e:
+        msg = str(e)
+    elapsed = time.monotonic() - start
+    for work in works:
+        work.wait()
+    after = inputs[3][rank].clone()
+    dist.all_reduce(after, group=group)
+    errors = [mismatch(f"all_reduce #{i}", t, reduce_reference(inputs[i], "SUM"), world)
+              for i, t in enumerate(before)] + [mismatch("after", after, reduce_reference(inputs[3], "SUM"), world)]
+    return f"{kind} on rank {victim}, options {options}", msg, elapsed, [e for e in errors if e]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("seed", range(int(os.environ.get("HCA_TEST_SEEDS", "3"))))
+def test_random_mismatches_fail_on_every_rank_and_the_group_goes_on(seed, executor):
+    """Ten ways for one rank to call something else, on one node's groups of random options (the
+    pass-through included), 2-4 ranks: every rank raises within seconds naming the mismatch, the calls
+    before finish right, and so does the next call. (Across nodes a mismatch that one node finds
+    mid-call ends the group, and reaches the other nodes as their engine's error or at the timeout:
+    troubleshooting.md.) HCA_TEST_SEEDS=N runs N seeds."""
+    world = 2 + seed % 3
+    for what, msg, elapsed, errors in run_ranks(_random_mismatch, world, seed, env={**SMALL_CHUNKS, **executor},
+                                                pg_timeout_s=20):
+        assert "mismatched calls" in msg or "sends" in msg, (what, msg)
+        assert elapsed < 10, (what, elapsed)
+        assert errors == [], (what, errors)
+
+
 # One rank's call is refused at the call (bad input) while its peers make theirs as it should be:
 # the refused rank's own error, then what its peers raise.
 ONE_RANK_REFUSES = {

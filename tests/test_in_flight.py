@@ -3,6 +3,7 @@ late or never): on the CPU model of the device ("cpu-streams": every stream a th
 freed buffers poisoned) these are the CUDA path's check; on "cpu" the shared-memory executor's."""
 import contextlib
 import os
+import random
 import threading
 import time
 import traceback
@@ -115,7 +116,7 @@ class _Turns:
                 self._changed.notify_all()
 
 
-def _groups_driven_by_threads(rank, world, device):
+def _groups_driven_by_threads(rank, world, device, seed=None):
     """Background work (DCP's async save, a metrics thread) drives a group of its own from a thread
     beside the training's: four groups (one per algorithm), each driven by a thread of its own, on a
     stream of its own, every call async and checked. On CPU tensors the threads race. On a device
@@ -123,12 +124,19 @@ def _groups_driven_by_threads(rank, world, device):
     driven by threads: a GPU runs the streams on a few hardware queues, each in issue order, so a
     call waiting there for its peers holds back another group's call queued behind it, which the
     peers may be waiting for in turn (test_model_device's groups called in opposite orders). The
-    ranks run with one queue (CUDA_DEVICE_MAX_CONNECTIONS=1), where anything else would deadlock."""
+    ranks run with one queue (CUDA_DEVICE_MAX_CONNECTIONS=1), where anything else would deadlock.
+    With a `seed`: 2-5 groups of random options instead (test_random_sequences' draw)."""
     dev = rank_device(device, rank)
     on_device = dev.type == "cuda" or _on_the_model()
-    groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
-                                   (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
-                                    torch_hca.Options("direct"))]
+    if seed is None:
+        groups = [dist.group.WORLD] + [dist.new_group(backend="hca", pg_options=options) for options in
+                                       (torch_hca.Options(num_packs=2), torch_hca.Options("reduce_to_one_device"),
+                                        torch_hca.Options("direct"))]
+    else:
+        from test_random_sequences import _random_options
+        rnd = random.Random(seed)  # every rank draws the same
+        drawn = [_random_options(rnd, world, nccl=dev.type == "cpu") for _ in range(rnd.randint(2, 5))]
+        groups = [dist.new_group(backend="hca", pg_options=torch_hca.Options(**o)) for o in drawn]
     errors = [[] for _ in groups]
     turns = _Turns()
 
@@ -155,6 +163,15 @@ def _groups_driven_by_threads(rank, world, device):
 def test_groups_driven_by_threads_of_their_own_at_once(world, device):
     env = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert run_ranks(_groups_driven_by_threads, world, device, env=env) == [[]] * world
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("HCA_TEST_SEEDS", "2"))))
+def test_groups_of_random_options_driven_by_threads_at_once(seed, device):
+    """The same with groups of random options (the pass-through on CPU tensors among them), 2-4 ranks;
+    HCA_TEST_SEEDS=N runs N seeds."""
+    world = 2 + seed % 3
+    env = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert run_ranks(_groups_driven_by_threads, world, device, seed, env=env) == [[]] * world
 
 
 def _temporaries_in_flight(rank, world, device):

@@ -7,8 +7,11 @@ pass-through on CPU tensors among them, packing, small-tensor aggregation, the r
 hierarchy's groups), in random dtypes, ops, sizes and layouts (views at an offset, strided views,
 inputs and outputs), and half of them async: waited at once, later in a shuffled order, or left
 pending while later calls run. Every rank draws the same sequence from the seed.
+
+HCA_TEST_SEEDS=N runs N seeds of each test instead of a few (a search for rare failures, e.g. 500).
 """
 import functools
+import os
 import random
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import SMALL_CHUNKS, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks
 from reference import (DTYPES, OPS, all_gather_single, make_input, mismatch, rank_device,
                        reduce_reference, reduce_scatter_single, supported)
 
@@ -289,23 +292,51 @@ def _sequence(rank, world, device, seed, across_nodes=False):
     return [e for e in errors if e]
 
 
-@pytest.mark.parametrize("seed", range(4))
+def _seeds(default, first=0):
+    return range(first, first + int(os.environ.get("HCA_TEST_SEEDS", default)))
+
+
+# One hardware queue (Megatron-LM's setting) for the device's streams: hca's groups must put their
+# calls there in the order they were made, the same on every rank, or the ranks deadlock.
+ONE_QUEUE = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.mark.parametrize("seed", _seeds(4))
 def test_random_sequences_match_references(seed, device):
-    world = seed + 1
-    # One hardware queue (Megatron-LM's setting) for the device's streams: hca's groups must put their
-    # calls there in the order they were made, the same on every rank, or the ranks deadlock.
-    env = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert run_ranks(_sequence, world, device, seed, env=env) == [[]] * world
+    world = seed % 4 + 1
+    assert run_ranks(_sequence, world, device, seed, env=ONE_QUEUE) == [[]] * world
 
 
-@pytest.mark.parametrize("seed, nodes", [(10, ["a", "b"]), (11, ["a", "a", "b"]), (12, ["a", "b", "a", "b"]),
-                                         (13, ["a", "a", "a", "b", "b"])])
-def test_random_sequences_across_named_nodes_match_references(seed, nodes, device):
+NODES = [["a", "b"], ["a", "a", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b", "b"]]
+
+
+@pytest.mark.parametrize("seed", _seeds(4, first=10))
+def test_random_sequences_across_named_nodes_match_references(seed, device):
     """The same across nodes (TORCH_HCA_NODE_ID): hca inside each node, gloo among the leaders,
     the rest handed whole to the engine over every rank; on the CPU model of the device too
     (`cpu-streams`), where the stages run on the calls' streams in their turns."""
     if device == "cuda":
         pytest.skip("across nodes on one GPU: covered by test_nodes.py's CUDA tests")
-    world = len(nodes)
-    env = [{**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_HCA_NODE_ID": node} for node in nodes]
-    assert run_ranks(_sequence, world, device, seed, True, env_per_rank=env) == [[]] * world
+    nodes = NODES[seed % len(NODES)]
+    env = [{**ONE_QUEUE, "TORCH_HCA_NODE_ID": node} for node in nodes]
+    assert run_ranks(_sequence, len(nodes), device, seed, True, env_per_rank=env) == [[]] * len(nodes)
+
+
+# Where the ranks' tensors live on the CPU model of the device (test_model_device.py): a device each;
+# each rank seeing only its own physical device, as its device 0 (CUDA_VISIBLE_DEVICES=<its GPU>);
+# two devices that the ranks share round-robin.
+MODEL_PLACES = {
+    "own-device": lambda r, world: {"TORCH_HCA_MODEL_DEVICES": str(world), "TORCH_HCA_MODEL_DEVICE": str(r)},
+    "one-visible": lambda r, world: {"TORCH_HCA_MODEL_VISIBLE": str(r)},
+    "two-shared": lambda r, world: {"TORCH_HCA_MODEL_DEVICES": "2", "TORCH_HCA_MODEL_DEVICE": str(r % 2)},
+}
+
+
+@pytest.mark.parametrize("place", MODEL_PLACES)
+@pytest.mark.parametrize("seed", _seeds(1, first=20))
+def test_random_sequences_on_model_devices_match_references(seed, place):
+    """The same on the CPU model of the device with the ranks' tensors on several devices, so that
+    each call's device, the current device of the calling thread and the peers' memory differ."""
+    world = 2 + (seed + list(MODEL_PLACES).index(place)) % 3
+    env = [{**ONE_QUEUE, **STREAMS_ENV, **MODEL_PLACES[place](r, world)} for r in range(world)]
+    assert run_ranks(_sequence, world, "cpu", seed, env_per_rank=env) == [[]] * world
