@@ -17,6 +17,7 @@ itself included. Where even these miss, the runs disagree with each other: the m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import re
@@ -29,12 +30,12 @@ from torch_hca import costs
 WITHIN = 1.05
 
 
+@functools.lru_cache(maxsize=None)
 def choice_runs(path):
     """The alternating rows of each `--ops choice` run in a results file (one run, or {"runs": [...]}),
-    with the run's CPU count."""
+    with the run's CPU count; each file read once, however often the models and bounds score it."""
     record = json.loads(pathlib.Path(path).read_text())
-    for run in record.get("runs", [record]):
-        yield run["meta"].get("cores"), run["choices"]
+    return tuple((run["meta"].get("cores"), run["choices"]) for run in record.get("runs", [record]))
 
 
 def fixed_times(choices):
@@ -88,8 +89,9 @@ def least_missed(paths):
     for path in paths:
         for _, choices in choice_runs(path):
             for key, times in fixed_times(choices).items():
+                fastest = min(times.values())
                 for label, t in times.items():
-                    ratios[key][label].append(t / min(times.values()))
+                    ratios[key][label].append(t / fastest)
     return {key: min(by_label, key=lambda label: (sum(r > WITHIN for r in by_label[label]),
                                                    statistics.median(by_label[label])))
             for key, by_label in ratios.items()}

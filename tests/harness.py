@@ -132,6 +132,12 @@ def run_ranks(fn, world_size, *args, backend="hca", pg_options=None, env=None, e
     return [got[r][1] if r in got else None for r in range(world_size)]
 
 
+def seeds(default, first=0):
+    """The seeds of a randomized test: `default` of them, or HCA_TEST_SEEDS (a longer search for rare
+    failures), from `first`."""
+    return range(first, first + int(os.environ.get("HCA_TEST_SEEDS", default)))
+
+
 def shared_mappings():
     """How many of this process's mappings are hca's shared-memory segments."""
     with open(f"/proc/{os.getpid()}/maps") as f:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import torch_hca
 from torch_hca.options import shm_chunk_bytes, shm_slots
-from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, group_kind, raises, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, RankFailed, group_kind, raises, run_ranks, seeds
 from netns import pid_namespaces_unavailable, run_in_pid_namespaces
 from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
@@ -271,7 +271,7 @@ def _random_mismatch(rank, world, seed):
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
-@pytest.mark.parametrize("seed", range(int(os.environ.get("HCA_TEST_SEEDS", "3"))))
+@pytest.mark.parametrize("seed", seeds(3))
 def test_random_mismatches_fail_on_every_rank_and_the_group_goes_on(seed, executor):
     """Ten ways for one rank to call something else, on one node's groups of random options (the
     pass-through included), 2-4 ranks: every rank raises within seconds naming the mismatch, the calls

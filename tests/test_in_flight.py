@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch_hca
-from harness import SMALL_CHUNKS, WaitingFinalizer, run_ranks
+from harness import SMALL_CHUNKS, WaitingFinalizer, run_ranks, seeds
 from node_cases import fsdp2_training
 from reference import all_gather_single, make_input, mismatch, rank_device, reduce_reference, reduce_scatter_single
 
@@ -165,7 +165,7 @@ def test_groups_driven_by_threads_of_their_own_at_once(world, device):
     assert run_ranks(_groups_driven_by_threads, world, device, env=env) == [[]] * world
 
 
-@pytest.mark.parametrize("seed", range(int(os.environ.get("HCA_TEST_SEEDS", "2"))))
+@pytest.mark.parametrize("seed", seeds(2))
 def test_groups_of_random_options_driven_by_threads_at_once(seed, device):
     """The same with groups of random options (the pass-through on CPU tensors among them), 2-4 ranks;
     HCA_TEST_SEEDS=N runs N seeds."""

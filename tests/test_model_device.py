@@ -38,11 +38,11 @@ def own_devices(world, exclusive=None, **extra):
     return envs
 
 
-def one_visible_device(world, exclusive, **extra):
+def one_visible_device(world, exclusive=None, **extra):
     """Each rank sees only its own physical device, as device 0: the launch of SLURM's
-    --gpus-per-task=1 or Kubernetes (CUDA_VISIBLE_DEVICES=<its GPU>)."""
-    return [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": str(r), "TORCH_HCA_MODEL_EXCLUSIVE": exclusive, **extra}
-            for r in range(world)]
+    --gpus-per-task=1 or Kubernetes (CUDA_VISIBLE_DEVICES=<its GPU>); `exclusive` as own_devices'."""
+    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": str(r), **extra} for r in range(world)]
+    return [{**env, "TORCH_HCA_MODEL_EXCLUSIVE": exclusive} if exclusive else env for env in envs]
 
 
 def _late_peer_calls(rank, world):

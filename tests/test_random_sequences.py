@@ -11,7 +11,6 @@ pending while later calls run. Every rank draws the same sequence from the seed.
 HCA_TEST_SEEDS=N runs N seeds of each test instead of a few (a search for rare failures, e.g. 500).
 """
 import functools
-import os
 import random
 
 import pytest
@@ -19,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks
+from harness import SMALL_CHUNKS, STREAMS_ENV, run_ranks, seeds
 from reference import (DTYPES, OPS, all_gather_single, make_input, mismatch, rank_device,
                        reduce_reference, reduce_scatter_single, supported)
+from test_model_device import one_visible_device, own_devices
 
 SIZES = [1, 3, 17, 1000, 16385, 70_001, 200_003]
 CALLS = 40
@@ -292,16 +292,12 @@ def _sequence(rank, world, device, seed, across_nodes=False):
     return [e for e in errors if e]
 
 
-def _seeds(default, first=0):
-    return range(first, first + int(os.environ.get("HCA_TEST_SEEDS", default)))
-
-
 # One hardware queue (Megatron-LM's setting) for the device's streams: hca's groups must put their
 # calls there in the order they were made, the same on every rank, or the ranks deadlock.
 ONE_QUEUE = {**SMALL_CHUNKS, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-@pytest.mark.parametrize("seed", _seeds(4))
+@pytest.mark.parametrize("seed", seeds(4))
 def test_random_sequences_match_references(seed, device):
     world = seed % 4 + 1
     assert run_ranks(_sequence, world, device, seed, env=ONE_QUEUE) == [[]] * world
@@ -310,7 +306,7 @@ def test_random_sequences_match_references(seed, device):
 NODES = [["a", "b"], ["a", "a", "b"], ["a", "b", "a", "b"], ["a", "a", "a", "b", "b"]]
 
 
-@pytest.mark.parametrize("seed", _seeds(4, first=10))
+@pytest.mark.parametrize("seed", seeds(4, first=10))
 def test_random_sequences_across_named_nodes_match_references(seed, device):
     """The same across nodes (TORCH_HCA_NODE_ID): hca inside each node, gloo among the leaders,
     the rest handed whole to the engine over every rank; on the CPU model of the device too
@@ -322,21 +318,22 @@ def test_random_sequences_across_named_nodes_match_references(seed, device):
     assert run_ranks(_sequence, len(nodes), device, seed, True, env_per_rank=env) == [[]] * len(nodes)
 
 
-# Where the ranks' tensors live on the CPU model of the device (test_model_device.py): a device each;
-# each rank seeing only its own physical device, as its device 0 (CUDA_VISIBLE_DEVICES=<its GPU>);
-# two devices that the ranks share round-robin.
-MODEL_PLACES = {
-    "own-device": lambda r, world: {"TORCH_HCA_MODEL_DEVICES": str(world), "TORCH_HCA_MODEL_DEVICE": str(r)},
-    "one-visible": lambda r, world: {"TORCH_HCA_MODEL_VISIBLE": str(r)},
-    "two-shared": lambda r, world: {"TORCH_HCA_MODEL_DEVICES": "2", "TORCH_HCA_MODEL_DEVICE": str(r % 2)},
-}
+def _two_shared_devices(world, **extra):
+    """Each rank's environment: two model devices that the ranks' tensors share round-robin."""
+    return [{**STREAMS_ENV, "TORCH_HCA_MODEL_DEVICES": "2", "TORCH_HCA_MODEL_DEVICE": str(r % 2), **extra}
+            for r in range(world)]
+
+
+# Where the ranks' tensors live on the CPU model of the device: a device each; each rank seeing only its
+# own physical device, as its device 0 (CUDA_VISIBLE_DEVICES=<its GPU>); two devices shared round-robin.
+MODEL_PLACES = {"own-device": own_devices, "one-visible": one_visible_device, "two-shared": _two_shared_devices}
 
 
 @pytest.mark.parametrize("place", MODEL_PLACES)
-@pytest.mark.parametrize("seed", _seeds(1, first=20))
+@pytest.mark.parametrize("seed", seeds(1, first=20))
 def test_random_sequences_on_model_devices_match_references(seed, place):
     """The same on the CPU model of the device with the ranks' tensors on several devices, so that
     each call's device, the current device of the calling thread and the peers' memory differ."""
     world = 2 + (seed + list(MODEL_PLACES).index(place)) % 3
-    env = [{**ONE_QUEUE, **STREAMS_ENV, **MODEL_PLACES[place](r, world)} for r in range(world)]
+    env = MODEL_PLACES[place](world, **ONE_QUEUE)
     assert run_ranks(_sequence, world, "cpu", seed, env_per_rank=env) == [[]] * world
