@@ -289,7 +289,7 @@ def test_random_mismatches_fail_on_every_rank_and_the_group_goes_on(seed, execut
 # One rank's call is refused at the call (bad input) while its peers make theirs as it should be:
 # the refused rank's own error, then what its peers raise.
 ONE_RANK_REFUSES = {
-    "a dtype hca does not reduce": (TypeError, "hca allreduce: dtype UInt16 is not supported"),
+    "a dtype hca does not reduce": (TypeError, "hca allreduce: dtype Float8_e4m3fn is not supported in reductions"),
     "BAND on floats": (ValueError, "hca allreduce: ReduceOp.BAND is not supported for float32"),
     "all_gather_into_tensor's output too long": (ValueError, "the output has"),
     "the gather root's list a tensor short": (ValueError, "the dst rank needs a gather_list of one tensor per rank"),
@@ -301,7 +301,7 @@ def _one_rank_refuses(rank, world, timeout_s, algorithm=None, after=True):
     bad = rank == 1
     calls = {
         "a dtype hca does not reduce": lambda g: dist.all_reduce(
-            torch.ones(4, dtype=torch.uint16 if bad else torch.float32), group=g),
+            torch.ones(4).to(torch.float8_e4m3fn if bad else torch.float32), group=g),
         "BAND on floats": lambda g: dist.all_reduce(
             torch.ones(4), op=dist.ReduceOp.BAND if bad else dist.ReduceOp.SUM, group=g),
         "all_gather_into_tensor's output too long": lambda g: dist.all_gather_into_tensor(

@@ -11,6 +11,10 @@ import torch.distributed as dist
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool]
 FLOATS = {torch.float32, torch.float64, torch.float16, torch.bfloat16}
+# Integer dtypes gloo neither moves nor reduces, which hca's own algorithms reduce.
+WIDE_INTS = [torch.int16, torch.uint16, torch.uint32, torch.uint64]
+# Reduced part by part (SUM, AVG, PREMUL_SUM only), as torch's all_reduce has them.
+COMPLEX = [torch.complex64, torch.complex128]
 # Moved (broadcast, gathers, scatter, all-to-all, messages) but never reduced: compared as bytes.
 MOVED_ONLY = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
               torch.float8_e8m0fnu, torch.float4_e2m1fn_x2]
@@ -49,16 +53,22 @@ def make_input(case, rank, numel, dtype, op):
     if dtype == torch.bool:
         return torch.randint(0, 2, (numel,), generator=g).bool()
     if op in BITWISE:  # values over the whole range of the dtype, so that every bit takes part
+        if dtype == torch.uint64:
+            return torch.randint(-2**63, 2**63 - 1, (numel,), generator=g, dtype=torch.int64).view(dtype)
         info = torch.iinfo(dtype)
-        return torch.randint(info.min, info.max, (numel,), generator=g, dtype=torch.int64 if info.bits == 64 else
+        wide = info.bits == 64 or info.max > 2**31 - 1
+        return torch.randint(info.min, info.max, (numel,), generator=g, dtype=torch.int64 if wide else
                              torch.int32).to(dtype)
+    if dtype.is_complex:
+        parts = torch.randn(numel, 2, generator=g, dtype=torch.float64) * 3
+        return torch.view_as_complex(parts).to(dtype)
     if dtype in FLOATS:
         if op == "PRODUCT":
             x = torch.rand(numel, generator=g, dtype=torch.float64) + 0.5
         else:
             x = torch.randn(numel, generator=g, dtype=torch.float64) * 3
         return x.to(dtype)
-    lo, hi = (1, 3) if op == "PRODUCT" else (-20 if dtype != torch.uint8 else 1, 21)
+    lo, hi = (1, 3) if op == "PRODUCT" else (-20 if dtype.is_signed else 1, 21)
     return torch.randint(lo, hi, (numel,), generator=g).to(dtype)
 
 
@@ -73,7 +83,7 @@ def reduce_reference(inputs, op):
         return acc
     acc, count, dtype = None, 0, None
     for t in inputs:
-        x, dtype, count = t.to(torch.float64), t.dtype, count + 1
+        x, dtype, count = t.to(torch.complex128 if t.is_complex() else torch.float64), t.dtype, count + 1
         if acc is None:
             acc = x.clone()  # to() returns a float64 input itself: never sum into the caller's tensor
         elif op in ("SUM", "AVG"):
@@ -92,6 +102,8 @@ def reduce_reference(inputs, op):
 
 
 def tolerance(dtype, world_size):
+    if dtype.is_complex:
+        return tolerance(dtype.to_real(), world_size)
     if dtype == torch.float16:
         return dict(rtol=2e-3, atol=2e-3 * world_size)
     if dtype == torch.bfloat16:
@@ -106,9 +118,14 @@ def tolerance(dtype, world_size):
 def wrong_elements(got, want, world_size, exact=False):
     """A bool tensor: which elements of `got` differ from `want` beyond the dtype's tolerance (at all
     where `exact`)."""
+    got, want = got.cpu(), want.cpu()
+    if not (want.dtype.is_floating_point or want.dtype.is_complex):  # in the dtype: float64 holds no int64 exactly
+        return (got != want).flatten()
     tol = tolerance(want.dtype, world_size)
-    a, b = got.cpu().to(torch.float64).flatten(), want.cpu().to(torch.float64).flatten()
-    return ~torch.isclose(a, b, **tol) if (tol["rtol"] or tol["atol"]) and not exact else a != b
+    a, b = (torch.view_as_real(t.to(torch.complex128)) if t.is_complex() else t.to(torch.float64) for t in (got, want))
+    a, b = a.flatten(), b.flatten()
+    bad = ~torch.isclose(a, b, **tol) if (tol["rtol"] or tol["atol"]) and not exact else a != b
+    return bad.view(-1, 2).any(1) if want.is_complex() else bad
 
 
 def mismatch(name, got, want, world_size, exact=False):
@@ -120,7 +137,8 @@ def mismatch(name, got, want, world_size, exact=False):
         got, want, exact = got.view(torch.uint8), want.view(torch.uint8), True
     bad = wrong_elements(got, want, world_size, exact)
     if bad.any():
-        a, b = got.to(torch.float64).flatten(), want.to(torch.float64).flatten()  # first bad element by flat index
+        wide = torch.complex128 if got.is_complex() else torch.float64
+        a, b = got.to(wide).flatten(), want.to(wide).flatten()  # first bad element by flat index
         i = int(bad.nonzero()[0])
         return f"{name}: {int(bad.sum())} of {got.numel()} elements differ, first at {i}: got {a[i].item()} want {b[i].item()}"
     return None

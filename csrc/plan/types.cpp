@@ -6,9 +6,9 @@ namespace hca {
 
 size_t element_size(DType dtype) {
   switch (dtype) {
-    case DType::F64: case DType::I64: return 8;
-    case DType::F32: case DType::I32: return 4;
-    case DType::F16: case DType::BF16: return 2;
+    case DType::F64: case DType::I64: case DType::U64: return 8;
+    case DType::F32: case DType::I32: case DType::U32: return 4;
+    case DType::F16: case DType::BF16: case DType::I16: case DType::U16: return 2;
     case DType::I8: case DType::U8: case DType::Bool: return 1;
   }
   throw std::logic_error("unknown dtype");
@@ -29,6 +29,10 @@ const char* dtype_name(DType dtype) {
     case DType::I32: return "int32";
     case DType::I64: return "int64";
     case DType::Bool: return "bool";
+    case DType::I16: return "int16";
+    case DType::U16: return "uint16";
+    case DType::U32: return "uint32";
+    case DType::U64: return "uint64";
   }
   return "?";
 }

@@ -8,7 +8,9 @@
 
 namespace hca {
 
-enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool };
+// Values are part of the point-to-point frame format: new dtypes go at the end (kLastDType).
+enum class DType : uint8_t { F32, F64, F16, BF16, I8, U8, I32, I64, Bool, I16, U16, U32, U64 };
+constexpr DType kLastDType = DType::U64;
 // BitAnd, BitOr, BitXor (c10d's BAND, BOR, BXOR): integer and bool dtypes only.
 enum class ReduceOp : uint8_t { Sum, Avg, Product, Min, Max, BitAnd, BitOr, BitXor };
 // The schedules the plan knows (`nccl` is a wrapper backend, not a schedule).

@@ -49,10 +49,13 @@ bool is_chunk(const at::Tensor& part, const at::Tensor& whole, int index) {
 
 bool moved_as_bytes(at::ScalarType type) { return c10::isFloat8Type(type) || type == at::kFloat4_e2m1fn_x2; }
 
+#define HCA_REDUCED_DTYPES                                                                                       \
+  "float32, float64, float16, bfloat16, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool; complex for " \
+  "SUM and AVG"
+
 DType plan_dtype(at::ScalarType type, const char* op) {
-  TORCH_CHECK_TYPE(!moved_as_bytes(type), "hca ", op, ": dtype ", type, " is not supported in reductions (float32, "
-                   "float64, float16, bfloat16, int8, uint8, int32, int64, bool); broadcast, all_gather, gather, "
-                   "scatter, all_to_all, send and recv move it");
+  TORCH_CHECK_TYPE(!moved_as_bytes(type), "hca ", op, ": dtype ", type, " is not supported in reductions (",
+                   HCA_REDUCED_DTYPES, "); broadcast, all_gather, gather, scatter, all_to_all, send and recv move it");
   switch (type) {
     case at::kFloat: return DType::F32;
     case at::kDouble: return DType::F64;
@@ -63,10 +66,33 @@ DType plan_dtype(at::ScalarType type, const char* op) {
     case at::kInt: return DType::I32;
     case at::kLong: return DType::I64;
     case at::kBool: return DType::Bool;
+    case at::kShort: return DType::I16;
+    case at::kUInt16: return DType::U16;
+    case at::kUInt32: return DType::U32;
+    case at::kUInt64: return DType::U64;
     default:
-      TORCH_CHECK_TYPE(false, "hca ", op, ": dtype ", type,
-                       " is not supported (float32, float64, float16, bfloat16, int8, uint8, int32, int64, bool)");
+      TORCH_CHECK_TYPE(false, "hca ", op, ": dtype ", type, " is not supported (", HCA_REDUCED_DTYPES, ")");
   }
+}
+
+ElementsOf elements_of(at::ScalarType type, int64_t numel, const char* op) {
+  if (moved_as_bytes(type)) return {DType::U8, static_cast<size_t>(numel)};
+  if (c10::isComplexType(type)) return {plan_dtype(c10::toRealValueType(type), op), 2 * static_cast<size_t>(numel)};
+  return {plan_dtype(type, op), static_cast<size_t>(numel)};
+}
+
+at::Tensor as_real(const at::Tensor& t) { return t.is_complex() ? at::view_as_real(t) : t; }
+
+DType reduced_dtype(at::ScalarType type, const char* op) {
+  return plan_dtype(c10::isComplexType(type) ? c10::toRealValueType(type) : type, op);
+}
+
+void check_complex_reduction(at::ScalarType type, const c10d::ReduceOp& op, const char* name) {
+  if (!c10::isComplexType(type)) return;
+  const bool real_parts = op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
+                          op.op_ == c10d::ReduceOp::PREMUL_SUM;
+  TORCH_CHECK_VALUE(real_parts, "hca ", name, ": ReduceOp.", reduction_text(op), " is not supported for ", type,
+                    " (complex tensors: SUM, AVG and PREMUL_SUM, which reduce the real and imaginary parts apart)");
 }
 
 std::optional<ReduceOp> plan_op(const c10d::ReduceOp& op) {
@@ -161,17 +187,19 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
                       " tensors are not supported (dense tensors only)");
     TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "hca ", name, ": tensors on ", t.device(), " and ",
                       tensors[0].device(), " in one call");
-    // Moved, not reduced, as uint8 (NCCL does the same); reduce_op() refuses them.
-    const DType dtype = moved_as_bytes(t.scalar_type()) ? DType::U8 : plan_dtype(t.scalar_type(), name);
-    descs_.push_back({dtype, static_cast<size_t>(t.numel())});
+    // float8 and float4 moved, not reduced, as uint8 (NCCL does the same), and reduce_op() refuses
+    // them; complex as pairs of its real dtype.
+    const ElementsOf elements = elements_of(t.scalar_type(), t.numel(), name);
+    descs_.push_back({elements.dtype, elements.count});
     const size_t i = dense_.size();
     const bool read_only = may_alias && may_alias(tensors, i, i);
     // Refused here, before any data moves: the write-back after the call could not store into it.
     TORCH_CHECK_VALUE(read_only || at::has_internal_overlap(t) != at::MemOverlap::Yes, "hca ", name, ": tensor ", i,
                       " of the call is a view whose elements share memory (expand(), a stride of 0): pass a "
                       "tensor of its own (.contiguous() or .clone())");
-    dense_.push_back(t.is_contiguous() ? t : t.contiguous());
-    written_.push_back(!read_only && !dense_.back().is_same(t));
+    const at::Tensor dense = t.is_contiguous() ? t : t.contiguous();
+    written_.push_back(!read_only && !dense.is_same(t));
+    dense_.push_back(as_real(dense));
   }
   check_own_memory(name, tensors, may_alias);
   if (!tensors.empty()) device_ = tensors[0].device();
@@ -215,7 +243,10 @@ void CallArgs::append_key(std::string& key, size_t first, size_t count) const {
 
 ReduceOp CallArgs::reduce_op(const c10d::ReduceOp& op, const Scaled* scaled) {
   static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"};
-  for (const auto& t : original_) plan_dtype(t.scalar_type(), name_);  // dtypes only moved are refused here
+  for (const auto& t : original_) {
+    check_complex_reduction(t.scalar_type(), op, name_);
+    reduced_dtype(t.scalar_type(), name_);  // dtypes only moved are refused here
+  }
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM && scaled) {
     for (const auto& d : descs_) {
       TORCH_CHECK_VALUE(is_floating(d.dtype), "hca ", name_, ": ReduceOp.PREMUL_SUM is not supported for ",
@@ -264,7 +295,7 @@ void PremulFactor::multiply(const at::Tensor& target, const at::Tensor& source) 
 void CallArgs::premultiply() const {
   if (!scaled_) return;
   for (size_t i = scaled_->first; i < scaled_->first + scaled_->count; ++i) {
-    factor_.multiply(dense_[i], scaled_->copies ? original_[i] : dense_[i]);
+    factor_.multiply(dense_[i], scaled_->copies ? as_real(original_[i]) : dense_[i]);
   }
 }
 
@@ -323,7 +354,7 @@ void CallArgs::check_like(size_t i, size_t like, int64_t numel, const char* what
 void CallArgs::write_back() const {
   at::NoGradGuard no_grad;  // leaves that require grad (pipelining's receive buffers) take it too
   for (size_t i = 0; i < original_.size(); ++i) {
-    if (written_[i]) original_[i].copy_(dense_[i]);
+    if (written_[i]) original_[i].copy_(original_[i].is_complex() ? at::view_as_complex(dense_[i]) : dense_[i]);
   }
 }
 

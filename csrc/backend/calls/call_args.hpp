@@ -55,7 +55,8 @@ class CallArgs {
   // The tensors' device (CPU for a call without tensors).
   at::Device device() const { return device_; }
   const std::vector<TensorDesc>& descs() const { return descs_; }
-  // The tensors the executor addresses: contiguous ones as given, others dense copies.
+  // The tensors the executor addresses: contiguous ones as given, others dense copies; complex
+  // ones as their real views, so that they count elements as descs() does.
   const std::vector<at::Tensor>& dense() const { return dense_; }
   // "Float[3+4],Long[5]" for tensors [first, first + count).
   std::string text(size_t first, size_t count) const;
@@ -102,6 +103,21 @@ std::string fitted_text(const std::string& text, size_t limit);
 bool moved_as_bytes(at::ScalarType type);
 // The plan's element type for a dtype hca reduces, or a TypeError naming it.
 DType plan_dtype(at::ScalarType type, const char* op);
+// How the plan sees `numel` elements of `type`: float8 and float4 as bytes, complex as twice as many
+// of its real dtype, the rest as plan_dtype; a TypeError for a dtype hca does not carry.
+struct ElementsOf {
+  DType dtype;
+  size_t count;
+};
+ElementsOf elements_of(at::ScalarType type, int64_t numel, const char* op);
+// A complex tensor as its real view (one more dimension, of 2), any other as it is.
+at::Tensor as_real(const at::Tensor& t);
+// The element type a reduction of `type` works in (complex: its real dtype); a TypeError for
+// a dtype hca does not reduce (float8, float4).
+DType reduced_dtype(at::ScalarType type, const char* op);
+// A ValueError where `op` does not reduce complex tensors of `type` (only SUM, AVG and PREMUL_SUM
+// do, part by part, as torch's all_reduce has it); nothing for other dtypes.
+void check_complex_reduction(at::ScalarType type, const c10d::ReduceOp& op, const char* name);
 // The plan's op for c10d's SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR and BXOR; none
 // for the others (PREMUL_SUM, which callers handle, and UNUSED).
 std::optional<ReduceOp> plan_op(const c10d::ReduceOp& op);

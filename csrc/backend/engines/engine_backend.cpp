@@ -37,10 +37,27 @@ std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector
   return each_of(lists, [](const at::Tensor& t) { return flat_for_gloo(t); });
 }
 
+namespace {
+
+// A dtype of the same width that the engines move, for the integer dtypes they lack.
+std::optional<at::ScalarType> engine_carrier(at::ScalarType type) {
+  switch (type) {
+    case at::kShort: case at::kUInt16: return at::kHalf;
+    case at::kUInt32: return at::kInt;
+    case at::kUInt64: return at::kLong;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
 at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
   if (!tensor.defined()) return tensor;
-  if (moved_as_bytes(tensor.scalar_type())) return tensor.view(at::kByte);
-  if (tensor.is_cpu()) plan_dtype(tensor.scalar_type(), op);  // gloo moves what hca's plans do
+  const auto type = tensor.scalar_type();
+  if (moved_as_bytes(type)) return tensor.view(at::kByte);
+  if (const auto carrier = engine_carrier(type)) return tensor.view(*carrier);
+  if (tensor.is_complex()) return at::view_as_real(tensor);  // gloo's gather and scatter have no complex
+  if (tensor.is_cpu()) plan_dtype(type, op);  // gloo moves what hca's plans do
   return tensor;
 }
 
@@ -175,13 +192,17 @@ void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::
   const bool bitwise = plan && is_bitwise(*plan);
   for (const auto& t : tensors) {
     if (!t.defined()) continue;
+    TORCH_CHECK_TYPE(!engine_carrier(t.scalar_type()), "hca ", op, ": dtype ", t.scalar_type(), " is not reduced "
+                     "where a stock engine carries the reduction (algorithm=\"nccl\", or between nodes): gloo has no "
+                     "arithmetic for it, NCCL none for 16-bit integers; hca's own algorithms on one node reduce it");
+    check_complex_reduction(t.scalar_type(), reduce_op, op);
     if (t.is_cuda()) {
       TORCH_CHECK_VALUE(!bitwise, "hca ", op, ": ReduceOp.", op_name(*plan), " of CUDA tensors is not supported with "
                         "algorithm=\"nccl\" or between nodes, where NCCL (which has no bitwise reductions) may "
                         "carry them; hca's own algorithms on one node take them");
       continue;
     }
-    const DType dtype = plan_dtype(t.scalar_type(), op);  // gloo reduces what hca's plans do
+    const DType dtype = reduced_dtype(t.scalar_type(), op);  // gloo reduces what hca's plans do
     if (plan) check_reducible(dtype, *plan, op);
   }
 }

@@ -25,10 +25,11 @@ struct Engines {
 };
 
 // The tensors as the engines move them: float8 and float4 ones as uint8 views
-// (gloo knows no float8; NCCL moves them as uint8 where it has no float8 type).
-// A CPU tensor of a dtype neither hca nor gloo moves (int16, uint16, uint32,
-// uint64) is hca's TypeError naming call `op`, where gloo would say only
-// "Invalid scalar type".
+// (gloo knows no float8; NCCL moves them as uint8 where it has no float8 type),
+// int16, uint16, uint32 and uint64 as views of a dtype of their width that both
+// carry (gloo has none of them; NCCL no 16-bit integers), complex ones as their
+// real views. The integers are only moved: reductions of them are refused before
+// (check_engine_reduction).
 at::Tensor engine_bytes(const at::Tensor& tensor, const char* op);
 std::vector<at::Tensor> engine_bytes(const std::vector<at::Tensor>& tensors, const char* op);
 std::vector<std::vector<at::Tensor>> engine_bytes(const std::vector<std::vector<at::Tensor>>& lists, const char* op);
@@ -66,8 +67,11 @@ at::Tensor flat_for_gloo(const at::Tensor& tensor);
 std::vector<at::Tensor> flat_for_gloo(const std::vector<at::Tensor>& tensors);
 std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector<at::Tensor>>& lists);
 
-// Before a reduction reaches a stock engine, hca's own errors. CPU tensors (to
-// gloo): a TypeError for a dtype gloo cannot reduce (float8, int16, ...), a
+// Before a reduction reaches a stock engine, hca's own errors. Any tensor: a
+// TypeError for int16, uint16, uint32 and uint64 (gloo has no arithmetic for
+// them, NCCL none for 16-bit integers; hca's own algorithms on one node reduce
+// them), a ValueError for complex ones but with SUM, AVG, PREMUL_SUM. CPU tensors
+// (to gloo): a TypeError for a dtype gloo cannot reduce (float8, ...), a
 // ValueError for AVG on integers (gloo sums, then fails to divide, and leaves
 // the sums in the tensors) and for BAND, BOR, BXOR on floating dtypes. CUDA
 // tensors (to NCCL, or between nodes to either engine, alike on every rank): a

@@ -124,8 +124,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall_base(at::Tensor& output
     const auto out_rows = rows_per_rank(output, output_splits, world, "output");
     // Each side's rows as its own shape makes them, as NCCL and gloo count them: what a pair of
     // ranks sends and expects is compared (by the signature, or exchanged), not the rows' shapes.
-    const int64_t row = input.size(0) ? input.numel() / input.size(0) : 0;
-    const int64_t out_row = output.size(0) ? output.numel() / output.size(0) : 0;
+    // (in the elements the plan counts: a complex one's real parts)
+    const int64_t row = input.size(0) ? args.dense()[1].numel() / input.size(0) : 0;
+    const int64_t out_row = output.size(0) ? args.dense()[0].numel() / output.size(0) : 0;
     std::vector<int64_t> sends, expects;
     std::vector<const void*> sources;
     std::vector<void*> targets;
@@ -161,8 +162,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::alltoall(std::vector<at::Tensor>
     for (int j = 0; j < world; ++j) {
       args.check_like(j, world, outputs[j].numel(), "an output tensor");
       args.check_like(world + j, world, inputs[j].numel(), "an input tensor");
-      sends.push_back(inputs[j].numel());
-      expects.push_back(outputs[j].numel());
+      sends.push_back(static_cast<int64_t>(args.descs()[world + j].numel));  // (a complex one's real parts)
+      expects.push_back(static_cast<int64_t>(args.descs()[j].numel));
       sources.push_back(args.dense()[world + j].data_ptr());
       targets.push_back(args.dense()[j].data_ptr());
     }
@@ -196,7 +197,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::allgather_coalesced(std::vector<
       const size_t input = first_input + t;
       std::vector<TensorSpan> spans;
       for (size_t r = 0; r < static_cast<size_t>(world); ++r) {
-        args.check_like(r * k + t, input, static_cast<int64_t>(args.descs()[input].numel), "an output tensor");
+        args.check_like(r * k + t, input, all[input].numel(), "an output tensor");
         spans.push_back({args.dense()[input].data_ptr(), args.dense()[r * k + t].data_ptr()});
       }
       const std::vector<size_t> counts(world, args.descs()[input].numel);

@@ -182,6 +182,11 @@ void reduce_async(cudaStream_t stream, ReleaseWords released, DType dtype, Reduc
     case DType::I64: return reduce_typed<int64_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
     case DType::Bool:
       return reduce_typed<uint8_t>(stream, released, bool_op(op), dst, first, srcs, nsrc, n, out, divisor);
+    case DType::I16: return reduce_typed<int16_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
+    case DType::U16: return reduce_typed<uint16_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
+    case DType::U32: return reduce_typed<uint32_t>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
+    case DType::U64:
+      return reduce_typed<unsigned long long>(stream, released, op, dst, first, srcs, nsrc, n, out, divisor);
   }
 }
 

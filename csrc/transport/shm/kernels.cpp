@@ -164,6 +164,10 @@ void reduce_into(DType dtype, ReduceOp op, void* dst, const void* first, const v
     case DType::I32: return reduce_op<int32_t>(op, o);
     case DType::I64: return reduce_op<int64_t>(op, o);
     case DType::Bool: return reduce_op<uint8_t>(bool_op(op), o);
+    case DType::I16: return reduce_op<int16_t>(op, o);
+    case DType::U16: return reduce_op<uint16_t>(op, o);
+    case DType::U32: return reduce_op<uint32_t>(op, o);
+    case DType::U64: return reduce_op<uint64_t>(op, o);
   }
 }
 

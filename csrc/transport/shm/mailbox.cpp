@@ -58,7 +58,7 @@ bool wants(const Message& m, int src, int tag) { return listens_to(m, src) && m.
 
 // Throws Failure naming `src` unless what it wrote into its frame could be ours.
 void check_frame(const Frame& frame, int src) {
-  const bool known = frame.dtype <= static_cast<uint32_t>(DType::Bool);
+  const bool known = frame.dtype <= static_cast<uint32_t>(kLastDType);
   const char* wrong = frame.magic != kFrameMagic                               ? "a corrupt message"
                       : !known                                                 ? "a message of an unknown dtype"
                       : frame.bytes > kMaxMessageBytes                         ? "a message larger than 1 TiB"
