@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import SHRINK_ABORT, SHRINK_DEFAULT
 
 import torch_hca
-from harness import STREAMS_ENV, group_kind, raises, run_ranks
+from harness import STREAMS_ENV, RankFailed, group_kind, raises, run_ranks
 from reference import all_gather_single, make_input, mismatch, reduce_reference, reduce_scatter_single
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -53,6 +53,25 @@ def _monitored_first(rank, world):
 def test_monitored_barrier_names_the_first_missing_rank():
     msg = run_ranks(_monitored_first, 3, pg_timeout_s=20)[0]
     assert "Rank 2 failed to pass monitoredBarrier in 1000 ms" in msg, msg
+
+
+def _monitored_after_a_death(rank, world):
+    """Rank 2 dies; rank 0's monitored barrier then names it as dead, at once, not as late."""
+    dist.barrier()
+    if rank == 2:
+        os._exit(0)
+    time.sleep(0.3)
+    start = time.monotonic()
+    msg = raises(lambda: torch_hca.monitored_barrier(timeout=timedelta(seconds=5), wait_all_ranks=True),
+                 RuntimeError)
+    return msg, time.monotonic() - start
+
+
+def test_monitored_barrier_names_a_dead_rank_as_dead():
+    results = run_ranks(_monitored_after_a_death, 3, pg_timeout_s=20, allow_missing=(2,))
+    msg, elapsed = results[0]
+    assert "Rank 2 failed to pass monitoredBarrier; rank 2 (pid" in msg and "died" in msg, msg
+    assert "in 5000 ms" not in msg and elapsed < 4, (msg, elapsed)
 
 
 def _monitored_after_async_calls(rank, world):
@@ -466,6 +485,60 @@ def _gloo_shrinks(rank, world):
 def test_gloo_has_no_shrink():
     """What the comparison above stands on: gloo refuses shrink_group."""
     assert "does not support shrinking" in run_ranks(_gloo_shrinks, 2, backend="gloo")[0]
+
+
+def _negative_timeouts(rank, world, where):
+    """A negative timeout given to new_group or set_timeout: a ValueError naming it, where it is
+    given (gloo refuses it there too), and the groups go on."""
+    kind = group_kind(where)
+    options = kind.get("pg_options")
+    msgs = {"new_group": raises(lambda: dist.new_group(timeout=timedelta(seconds=-5), pg_options=options),
+                                ValueError)}
+    group = dist.new_group(pg_options=options)
+    backend = group._get_backend(torch.device("cpu"))
+    msgs["set_timeout"] = raises(lambda: backend.set_timeout(timedelta(seconds=-5)), ValueError)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    return msgs, t.tolist()
+
+
+@pytest.mark.parametrize("where", ["default", "nccl", "2 nodes"])
+def test_a_negative_timeout_is_a_value_error_where_it_is_given(where):
+    world = 4 if where == "2 nodes" else 2
+    for msgs, summed in run_ranks(_negative_timeouts, world, where, **group_kind(where)):
+        assert "hca: the group's timeout is negative (-5.0 s)" in msgs["new_group"], msgs
+        assert "hca: setTimeout: the timeout is negative (-5000 ms)" in msgs["set_timeout"], msgs
+        assert summed == [float(world)] * 3
+
+
+def _nothing(rank, world):
+    pass
+
+
+def test_init_with_a_negative_timeout_is_a_value_error():
+    with pytest.raises(RankFailed, match=r"ValueError: hca: the group's timeout is negative \(-5.0 s\)"):
+        run_ranks(_nothing, 1, pg_timeout_s=-5)
+
+
+def _zero_timeout(rank, world, backend):
+    """set_timeout(0) is taken; a call whose peer comes 1 s late times out at once, as gloo's does."""
+    group = dist.new_group(backend=backend)
+    group._get_backend(torch.device("cpu")).set_timeout(timedelta(0))
+    dist.barrier()  # on the default group: both ranks have made the group (gloo's connects would time out)
+    if rank == 1:
+        time.sleep(1)
+        return None
+    start = time.monotonic()
+    message = raises(lambda: dist.all_reduce(torch.ones(4), group=group), RuntimeError)
+    return message, time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", ["gloo", "hca"])
+def test_a_zero_timeout_times_out_at_once_as_gloo(backend):
+    message, seconds = run_ranks(_zero_timeout, 2, backend, allow_missing=(1,))[0]
+    assert seconds < 0.5 and not message.startswith("UNEXPECTED"), (message, seconds)
+    if backend == "hca":
+        assert "Timed out after 0 ms" in message, message
 
 
 def _timeout_set_later(rank, world, backend):

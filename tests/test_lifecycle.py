@@ -3,6 +3,9 @@ destroy_process_group lets go of everything), and children forked after init."""
 import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from datetime import timedelta
@@ -155,6 +158,32 @@ def test_peers_of_a_rank_that_destroyed_the_group_learn_that_it_left(executor):
     for message, seconds in results[1:]:
         assert "rank 0 left: its process group was shut down" in message, message
         assert seconds < 5
+
+
+ENDS_UNASKED = textwrap.dedent("""
+    import sys, datetime, torch, torch.distributed as dist, torch_hca
+    dist.init_process_group("hca", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    dist.all_reduce(torch.ones(3))
+    if dist.get_rank() == 1:
+        raise RuntimeError("a bug in the training loop")  # unhandled: the process ends, the group not destroyed
+    try:
+        dist.all_reduce(torch.ones(3))
+    except RuntimeError as e:
+        print(e)
+""")
+
+
+def test_a_peer_that_ended_without_destroying_its_group_is_not_said_to_have_destroyed_it(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(ENDS_UNASKED)
+    url = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, str(script), url, str(r)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    (out, err), _ = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == 0 and procs[1].returncode == 1, err
+    assert "rank 1 left: its process group ended without destroy_process_group" in out, out + err
+    assert "shut down (destroy_process_group)" not in out, out
 
 
 def _wait_for_child(pid, seconds):

@@ -32,6 +32,9 @@ def _create(dist_backend_opts, backend_options):
     options = Options.from_env() if backend_options is None else backend_options
     if not isinstance(options, Options):
         raise TypeError(f"hca: pg_options must be torch_hca.Options, got {type(options).__name__}")
+    if dist_backend_opts.timeout.total_seconds() < 0:
+        raise ValueError(f"hca: the group's timeout is negative ({dist_backend_opts.timeout.total_seconds()} s); give "
+                         "zero or more")
     rank, size = dist_backend_opts.group_rank, dist_backend_opts.group_size
     store = incarnation_store(dist_backend_opts.store, rank)
     timeout_ms = int(dist_backend_opts.timeout.total_seconds() * 1000)

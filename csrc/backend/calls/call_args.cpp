@@ -47,6 +47,12 @@ bool is_chunk(const at::Tensor& part, const at::Tensor& whole, int index) {
 
 }  // namespace
 
+std::chrono::milliseconds checked_timeout(std::chrono::milliseconds timeout, const char* where) {
+  TORCH_CHECK_VALUE(timeout.count() >= 0, "hca: ", where, ": the timeout is negative (", timeout.count(),
+                    " ms); give zero or more");
+  return timeout;
+}
+
 bool moved_as_bytes(at::ScalarType type) { return c10::isFloat8Type(type) || type == at::kFloat4_e2m1fn_x2; }
 
 #define HCA_REDUCED_DTYPES                                                                                       \

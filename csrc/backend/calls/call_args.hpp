@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <functional>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -98,6 +99,10 @@ std::string reduction_text(const c10d::ReduceOp& op);
 // `text`, or where it is longer than `limit`, its start and a hash of the whole (which keeps
 // texts that differ apart): for fixed-size slots that compare calls.
 std::string fitted_text(const std::string& text, size_t limit);
+
+// `timeout`, or a ValueError naming `where` it was given when it is negative (gloo refuses those
+// too; zero, as gloo's, times out at once wherever a peer is late).
+std::chrono::milliseconds checked_timeout(std::chrono::milliseconds timeout, const char* where);
 
 // The 1-byte dtypes hca moves, as uint8, but does not reduce: float8 and float4.
 bool moved_as_bytes(at::ScalarType type);

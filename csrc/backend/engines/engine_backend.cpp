@@ -256,7 +256,9 @@ void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout) {
   }
 }
 
-void EngineBackend::setTimeout(std::chrono::milliseconds timeout) { set_engines_timeout(engines_, timeout); }
+void EngineBackend::setTimeout(std::chrono::milliseconds timeout) {
+  set_engines_timeout(engines_, checked_timeout(timeout, "setTimeout"));
+}
 
 void EngineBackend::setSequenceNumberForGroup() {
   calls_.reset();

@@ -57,7 +57,7 @@ NodeBackend::~NodeBackend() {
 }
 
 void NodeBackend::setTimeout(std::chrono::milliseconds timeout) {
-  timeout_ = timeout;
+  timeout_ = checked_timeout(timeout, "setTimeout");
   local_->setTimeout(timeout);
   for (auto& entry : leaders_) set_engines_timeout(entry.second, timeout);
   EngineBackend::setTimeout(timeout);

@@ -38,7 +38,7 @@ class PassthroughBackend : public EngineBackend {
 
   HCA_OVERRIDE_COLLECTIVES
   void setTimeout(std::chrono::milliseconds timeout) override {
-    timeout_ = timeout;
+    timeout_ = checked_timeout(timeout, "setTimeout");
     EngineBackend::setTimeout(timeout);
   }
 

@@ -87,7 +87,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
 
 ProcessGroupHCA::~ProcessGroupHCA() {
   if (life_.owner().is_current()) {
-    end(false);
+    end(false, false);  // a no-op after shutdown or abort
     return;
   }
   // A forked child: the threads, the store and the words of the shared segments
@@ -111,7 +111,7 @@ void ProcessGroupHCA::check_usable(const char* op) {
   if (auto call = life_.try_enter()) control_->check_usable(op);
 }
 
-void ProcessGroupHCA::end(bool abort) {
+void ProcessGroupHCA::end(bool abort, bool destroyed) {
   const std::string rank = "rank " + std::to_string(getRank());
   life_.end(
       abort,
@@ -129,7 +129,7 @@ void ProcessGroupHCA::end(bool abort) {
         cpu_executor_.reset();
         cuda_call_streams_.reset();
         cpu_call_streams_.reset();
-        control_->mark_left();  // what peers still waiting on this rank are told
+        control_->mark_left(destroyed);  // what peers still waiting on this rank are told
         failure_at_end_ = control_->failure_word(getRank()).load();
         control_.reset();
       });
@@ -316,7 +316,7 @@ CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {
 }
 
 std::chrono::milliseconds ProcessGroupHCA::timeout_or_default(std::chrono::milliseconds timeout) const {
-  return timeout == c10d::kUnsetTimeout ? timeout_.load() : timeout;
+  return timeout == c10d::kUnsetTimeout ? timeout_.load() : checked_timeout(timeout, "the call's options");
 }
 
 std::string ProcessGroupHCA::signature(const char* name, const std::string& details) const {

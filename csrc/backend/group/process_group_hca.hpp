@@ -127,7 +127,7 @@ class ProcessGroupHCA : public c10d::Backend {
   // peers that gave up).
   void check_usable(const char* op);
   // The timeout of later calls without one of their own (as gloo's).
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = checked_timeout(timeout, "setTimeout"); }
   // destroy_process_group calls shutdown: what is queued runs to its end, then
   // the threads are joined and the segments unmapped, even if the group is
   // still referenced (a DDP model in scope); peers waiting on this rank learn
@@ -182,7 +182,8 @@ class ProcessGroupHCA : public c10d::Backend {
                                             const std::vector<int>& ranks, std::chrono::milliseconds timeout,
                                             const char* basis) const;
   // shutdown and abort, through life_.
-  void end(bool abort);
+  // `destroyed`: asked to (shutdown, abort), not by the group's destructor.
+  void end(bool abort, bool destroyed = true);
   // `call()`, one of the collectives: refused in its turn where it raises bad input at the call.
   template <typename Call>
   c10::intrusive_ptr<c10d::Work> refusing(const char* op, Call&& call) {

@@ -46,17 +46,26 @@ ControlBlock::ControlBlock(Rendezvous& rendezvous, int rank, int world, std::chr
   slot(rank).pid = static_cast<int32_t>(getpid());
 }
 
+namespace {
+constexpr uint32_t kLeftDestroyed = 1, kLeftUnasked = 2;  // RankSlot::left
+}  // namespace
+
 void ControlBlock::throw_gone(int peer, const WaitContext& ctx) const {
-  if (slot(peer).left.load(std::memory_order_acquire)) {
+  const uint32_t left = slot(peer).left.load(std::memory_order_acquire);
+  if (left) {
     throw Failure(FailureKind::PeerFailed, ctx.operation, peer,
-                  "rank " + std::to_string(peer) + " left: its process group was shut down (destroy_process_group) "
-                  "while this rank still waited on it");
+                  "rank " + std::to_string(peer) + " left: " +
+                      (left == kLeftDestroyed ? "its process group was shut down (destroy_process_group)"
+                                              : "its process group ended without destroy_process_group (its process "
+                                                "exited, e.g. on an unhandled exception or Ctrl-C, or dropped the "
+                                                "group)") +
+                      " while this rank still waited on it");
   }
   throw_dead(ctx, peer, slot(peer).pid);
 }
 
-void ControlBlock::mark_left() {
-  slot(rank_).left.store(1, std::memory_order_release);
+void ControlBlock::mark_left(bool destroyed) {
+  slot(rank_).left.store(destroyed ? kLeftDestroyed : kLeftUnasked, std::memory_order_release);
   ring();
 }
 
@@ -344,20 +353,26 @@ void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wai
   if (timeout.count() <= 0) {
     throw Failure(FailureKind::Timeout, ctx.operation, 0, "Rank 0 timed out in monitoredBarrier after " + ms);
   }
-  std::string missing;
+  std::string missing, gone;  // gone: why waits ended before the deadline (a rank died or left)
   int first = -1, count = 0;
+  FailureKind kind = FailureKind::Timeout;
   for (int peer = 1; peer < world_ && (wait_all || first < 0); ++peer) {
     const RankSlot& theirs = slot(peer);
     try {
       await(peer, [&] { return theirs.monitored.load(std::memory_order_acquire) >= n; }, ctx);
-    } catch (const Failure&) {
+    } catch (const Failure& e) {
       missing += (count++ ? ", " : "") + std::to_string(peer);
       if (first < 0) first = peer;
+      if (e.kind() != FailureKind::Timeout) {
+        gone += "; " + e.cause();
+        if (kind == FailureKind::Timeout) kind = e.kind();
+      }
     }
   }
   if (first >= 0) {
-    throw Failure(FailureKind::Timeout, ctx.operation, first,
-                  (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier in " + ms);
+    throw Failure(kind, ctx.operation, first,
+                  (count > 1 ? "Ranks " : "Rank ") + missing + " failed to pass monitoredBarrier" +
+                      (gone.empty() ? " in " + ms : gone));
   }
   mine.monitored.store(n, std::memory_order_release);
   ring();

@@ -60,7 +60,8 @@ struct alignas(kCacheLine) RankSlot {
   std::atomic<uint64_t> started;
   int32_t pid;
   uint64_t pid_started;  // the process's start time (ticks since boot): tells its pid from another's
-  // Set when the rank shut its group down: once its lock is gone, it left, not died.
+  // Set when the rank shut its group down (kLeftDestroyed, kLeftUnasked): once its lock is gone,
+  // it left, not died.
   std::atomic<uint32_t> left;
   // Set once the rank has let go of its mappings of the peers' device staging.
   std::atomic<uint32_t> staging_closed;
@@ -160,8 +161,10 @@ class ControlBlock {
   // Records this rank's first failure, so that ranks waiting on it report the cause.
   void publish_failure(const Failure& failure);
   // Says that this rank shut the group down (not a failure: what it finished
-  // stays good for its peers); a peer still waiting on it is told it left.
-  void mark_left();
+  // stays good for its peers); a peer still waiting on it is told it left, and how:
+  // `destroyed` through destroy_process_group, else the group ended unasked (its process
+  // exiting on an exception or Ctrl-C, or dropping the group).
+  void mark_left(bool destroyed = true);
   // Device staging is freed only once no peer maps it, which the ranks say
   // here, never through the store (rank 0's store may be gone by then): this
   // rank has let go of its mappings of its peers' staging.
