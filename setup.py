@@ -12,8 +12,21 @@ import os
 import runpy
 import sys
 
-import torch
 from setuptools import setup
+
+ISOLATED_BUILD = "pip-build-env-"  # the folder pip's isolated build puts its own packages in
+REBUILD = "pip install --no-build-isolation ."
+try:
+    import torch
+except ModuleNotFoundError:
+    # pip's isolated build hides the installed torch, which the extension must be built against.
+    sys.exit("torch_hca: setup.py builds against the installed torch and cannot import torch here"
+             + (" (pip's isolated build environment hides it)" if ISOLATED_BUILD in " ".join(sys.path) else "")
+             + f": install torch, then rerun with `{REBUILD}`")
+if ISOLATED_BUILD in torch.__file__:
+    print(f"torch_hca: WARNING: building for torch {torch.__version__} of pip's isolated build environment "
+          f"({os.path.dirname(torch.__file__)}), not the torch installed; rerun with `{REBUILD}`", file=sys.stderr)
+print(f"torch_hca: building for torch {torch.__version__} ({os.path.dirname(torch.__file__)})", file=sys.stderr)
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 CPU_FOLDERS = ("plan", "transport", "transport/control", "transport/shm", "transport/stream", "transport/nccl",

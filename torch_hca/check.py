@@ -198,6 +198,14 @@ def verdict(reports, log_path):
     return "\n".join(lines), failed
 
 
+def new_log(stamp):
+    """A log file of this user's alone, under a name no one else can plant first (a file or a link
+    put in the shared temporary folder at a predictable name would be written into)."""
+    fd, path = tempfile.mkstemp(prefix=f"torch_hca_check-{stamp}-", suffix=".log")  # O_EXCL, mode 0600
+    os.close(fd)
+    return path
+
+
 def write_log(reports, path):
     with open(path, "w") as f:
         for rep in reports:
@@ -229,7 +237,7 @@ def main(argv=None):
 
     args = parser().parse_args(argv)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    log_path = os.path.abspath(args.log or os.path.join(tempfile.gettempdir(), f"torch_hca_check-{stamp}.log"))
+    log_path = os.path.abspath(args.log) if args.log else None
     worlds = [int(os.environ["WORLD_SIZE"])] if launched_by_torchrun() else args.world_sizes
     reports = []
     with tempfile.TemporaryDirectory(prefix="torch_hca-check-") as tmp:
@@ -240,6 +248,7 @@ def main(argv=None):
                 return 0
             with open(args.report) as f:
                 reports.append(json.load(f))
+    log_path = log_path or new_log(stamp)
     text, failed = verdict(reports, log_path)
     write_log(reports, log_path)
     with open(args.json, "w") as f:

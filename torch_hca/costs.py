@@ -29,7 +29,9 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import stat
 import statistics
+import tempfile
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -287,9 +289,21 @@ def cache_path(world: int, cpus: int, groups: Sequence[Sequence[int]], environ=N
     return cache_dir(environ) / f"costs-{world}ranks-{cpus}cpus-{digest}.json"
 
 
+def _own_and_private(path: pathlib.Path) -> bool:
+    """Whether `path` (not a link) belongs to this user and no one else may write it: a cache that
+    another user could have written would let them pick this user's algorithms."""
+    info = path.lstat()
+    return not stat.S_ISLNK(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
 def load(path: pathlib.Path) -> Optional[CostModel]:
-    """The cached model, or None (no file, or one this version cannot read: measured again)."""
+    """The cached model, or None (no file, one this version cannot read: measured again; or one
+    in a file or folder another user could have written: ignored, with a warning)."""
     try:
+        if not (_own_and_private(path.parent) and _own_and_private(path)):
+            warnings.warn(f"hca: ignoring the calibration in {path}: it or its folder is not this user's own, or "
+                          "others may write it", stacklevel=2)
+            return None
         return CostModel.from_json(json.loads(path.read_text())["model"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -304,9 +318,10 @@ def save(model: CostModel, points: dict, path: pathlib.Path) -> None:
     """Written whole or not at all (a rename), so that a reader never sees half a file; where it
     cannot be written the model still serves this group (a warning says so)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"model": model.to_json(), "points": points}, indent=1))
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)  # O_EXCL, mode 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump({"model": model.to_json(), "points": points}, f, indent=1)
         os.replace(tmp, path)
     except OSError as e:
         warnings.warn(f"hca: the calibration could not be cached in {path}: {e}", stacklevel=2)

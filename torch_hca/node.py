@@ -80,7 +80,7 @@ def _make_probe(path) -> bool:
     """An empty file in /dev/shm that the ranks of this node must see; False where none can be
     made (no /dev/shm): then no rank sees it, which the verdict reports."""
     try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600))
         return True
     except OSError:
         return False
