@@ -1,5 +1,5 @@
 """Dtypes past gloo's: int16, uint16, uint32 and uint64 moved by every op that moves data and
-reduced by hca's own algorithms (SUM, PRODUCT, MIN, MAX, bitwise); complex tensors in every
+reduced by hca's own algorithms and across nodes (SUM, PRODUCT, MIN, MAX, bitwise); complex tensors in every
 reduction that SUM and AVG define, on every route (shared memory, the stream executor the CUDA
 path runs, the pass-through's gloo, across nodes), against references computed with torch alone."""
 import pytest
@@ -13,8 +13,9 @@ from torch_hca.reference import COMPLEX, WIDE_INTS
 
 SIZES = [1, 13, 1000]
 INT_OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
-# Where a stock engine carries the reduction, the wide integers are moved but not reduced.
-ENGINE_ROUTES = {"nccl", "2 nodes"}
+# Where a stock engine carries the whole reduction (the pass-through), the wide integers are moved
+# but not reduced; between nodes, the leaders' engine reduces them widened.
+ENGINE_ROUTES = {"nccl"}
 ROUTES = {"default": {}, "streams": dict(env=STREAMS_ENV), "nccl": group_kind("nccl"),
           "2 nodes": group_kind("2 nodes")}
 
@@ -143,29 +144,49 @@ def test_wide_integers_and_complex_on_every_route(route, world):
                 assert "is not reduced where a stock engine carries the reduction" in msg, (name, msg)
 
 
+def _of(values, dtype):
+    """`values` (Python ints in the dtype's range) as a tensor of `dtype`, through their bits."""
+    bits = torch.iinfo(dtype).bits
+    signed = [v - 2**bits if v > 2**(bits - 1) - 1 else v for v in values]  # the same bits, as a signed int
+    carrier = {8: torch.int8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]
+    return torch.tensor(signed, dtype=carrier).view(dtype)
+
+
+def _ints(t):
+    """A tensor of a wide integer dtype as Python ints (uint64 through its bits)."""
+    if t.dtype != torch.uint64:
+        return t.tolist()
+    return [v + 2**64 if v < 0 else v for v in t.view(torch.int64).tolist()]
+
+
+def _near_the_top(dtype, rank):
+    """Every rank near the dtype's top (a sum wraps), and, for MIN and MAX, odd ranks' values with
+    the top bit set where even ranks' are small (a signed order would pick the wrong one)."""
+    info = torch.iinfo(dtype)
+    top = 2**info.bits - 1 if not dtype.is_signed else info.max
+    high = 2**(info.bits - 1) + rank if not dtype.is_signed else info.min + rank
+    return [top - rank, high if rank % 2 else rank + 1, rank + 1]
+
+
 def _wrapping(rank, world):
-    """Sums and products wrap around as the dtype does (modulo 2**bits), on every rank alike."""
+    """Sums wrap around as the dtype does (modulo 2**bits); MIN and MAX follow the dtype's order."""
     got = {}
     for dtype in WIDE_INTS:
-        info = torch.iinfo(dtype)
-        big = info.max - rank  # every rank near the top: the sum wraps
-        t = torch.full((5,), big, dtype=torch.int64).to(dtype) if info.bits < 64 else \
-            torch.full((5,), -1 - rank, dtype=torch.int64).view(torch.uint64)
-        dist.all_reduce(t)
-        got[str(dtype)] = t.view(torch.int64).tolist() if dtype == torch.uint64 else t.tolist()
+        for op in ("SUM", "MIN", "MAX"):
+            t = _of(_near_the_top(dtype, rank), dtype)
+            dist.all_reduce(t, op=OPS[op])
+            got[f"{dtype} {op}"] = _ints(t)
     return got
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_wide_integer_sums_wrap_around_as_the_dtype(world):
-    for got in run_ranks(_wrapping, world):
+@pytest.mark.parametrize("route,world", [("default", 2), ("default", 3), ("2 nodes", 4)])
+def test_wide_integer_sums_wrap_around_as_the_dtype(route, world):
+    for got in run_ranks(_wrapping, world, **ROUTES[route]):
         for dtype in WIDE_INTS:
             info = torch.iinfo(dtype)
-            total = sum(info.max - r for r in range(world)) if dtype != torch.uint64 else \
-                sum(2**64 - 1 - r for r in range(world))
-            wrapped = total % 2**info.bits
-            if info.min < 0 and wrapped > info.max:
-                wrapped -= 2**info.bits
-            if dtype == torch.uint64:  # read back as int64 bits
-                wrapped = wrapped - 2**64 if wrapped >= 2**63 else wrapped
-            assert got[str(dtype)] == [wrapped] * 5, (dtype, got[str(dtype)])
+            columns = list(zip(*(_near_the_top(dtype, r) for r in range(world))))
+            wrapped = [sum(c) % 2**info.bits for c in columns]
+            wrapped = [w - 2**info.bits if w > info.max else w for w in wrapped]
+            assert got[f"{dtype} SUM"] == wrapped, (dtype, got)
+            assert got[f"{dtype} MIN"] == [min(c) for c in columns], (dtype, got)
+            assert got[f"{dtype} MAX"] == [max(c) for c in columns], (dtype, got)

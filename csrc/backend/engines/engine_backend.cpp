@@ -187,12 +187,13 @@ void put_nans_back(const std::vector<at::Tensor>& results, const at::Tensor& mas
   }
 }
 
-void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op) {
+void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op,
+                            bool widened) {
   const auto plan = plan_op(reduce_op);
   const bool bitwise = plan && is_bitwise(*plan);
   for (const auto& t : tensors) {
     if (!t.defined()) continue;
-    TORCH_CHECK_TYPE(!engine_carrier(t.scalar_type()), "hca ", op, ": dtype ", t.scalar_type(), " is not reduced "
+    TORCH_CHECK_TYPE(widened || !engine_carrier(t.scalar_type()), "hca ", op, ": dtype ", t.scalar_type(), " is not reduced "
                      "where a stock engine carries the reduction (algorithm=\"nccl\", or between nodes): gloo has no "
                      "arithmetic for it, NCCL none for 16-bit integers; hca's own algorithms on one node reduce it");
     check_complex_reduction(t.scalar_type(), reduce_op, op);
@@ -204,6 +205,44 @@ void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::
     }
     const DType dtype = reduced_dtype(t.scalar_type(), op);  // gloo reduces what hca's plans do
     if (plan) check_reducible(dtype, *plan, op);
+  }
+}
+
+namespace {
+
+constexpr int64_t kTopBit = std::numeric_limits<int64_t>::min();
+
+std::optional<at::ScalarType> wider(at::ScalarType type) {
+  switch (type) {
+    case at::kShort: case at::kUInt16: return at::kInt;
+    case at::kUInt32: case at::kUInt64: return at::kLong;
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+WidenedForEngine::WidenedForEngine(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op)
+    : given_(tensors), flipped_(op == c10d::ReduceOp::MIN || op == c10d::ReduceOp::MAX) {
+  at::NoGradGuard no_grad;
+  if (given_.empty() || !given_[0].defined() || !wider(given_[0].scalar_type())) return;
+  for (const auto& t : given_) {
+    if (t.scalar_type() != at::kUInt64) {
+      wide_.push_back(t.to(*wider(t.scalar_type())));
+    } else {
+      wide_.push_back(flipped_ ? at::bitwise_xor(t.view(at::kLong), kTopBit) : t.view(at::kLong).clone());
+    }
+  }
+}
+
+void WidenedForEngine::narrow() const {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < wide_.size(); ++i) {
+    if (given_[i].scalar_type() != at::kUInt64) {
+      given_[i].copy_(wide_[i]);  // cut back to the dtype's width, as its own arithmetic wraps
+    } else {
+      given_[i].view(at::kLong).copy_(flipped_ ? at::bitwise_xor(wide_[i], kTopBit) : wide_[i]);
+    }
   }
 }
 

@@ -70,13 +70,33 @@ std::vector<std::vector<at::Tensor>> flat_for_gloo(const std::vector<std::vector
 // Before a reduction reaches a stock engine, hca's own errors. Any tensor: a
 // TypeError for int16, uint16, uint32 and uint64 (gloo has no arithmetic for
 // them, NCCL none for 16-bit integers; hca's own algorithms on one node reduce
-// them), a ValueError for complex ones but with SUM, AVG, PREMUL_SUM. CPU tensors
+// them, and so do the stages between nodes, `widened`: WidenedForEngine), a
+// ValueError for complex ones but with SUM, AVG, PREMUL_SUM. CPU tensors
 // (to gloo): a TypeError for a dtype gloo cannot reduce (float8, ...), a
 // ValueError for AVG on integers (gloo sums, then fails to divide, and leaves
 // the sums in the tensors) and for BAND, BOR, BXOR on floating dtypes. CUDA
 // tensors (to NCCL, or between nodes to either engine, alike on every rank): a
 // ValueError for BAND, BOR, BXOR, which NCCL lacks; the rest under NCCL's rules.
-void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op);
+void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& reduce_op, const char* op,
+                            bool widened = false);
+
+// A reduction of int16, uint16, uint32 or uint64 tensors by an engine that has no arithmetic for
+// them: copies in a wider dtype that it reduces to the same bits (int16 and uint16 in int32,
+// uint32 in int64: every op's result, cut back to the dtype's width, is the dtype's own; uint64
+// as int64, whose SUM, PRODUCT and bitwise ops are the same bits, and whose order is the unsigned
+// one once the top bit is flipped, for MIN and MAX), put back into the tensors by narrow().
+class WidenedForEngine {
+ public:
+  WidenedForEngine(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);
+  // The tensors to hand the engine: the wider copies, or the tensors themselves where none is needed.
+  const std::vector<at::Tensor>& tensors() const { return wide_.empty() ? given_ : wide_; }
+  // The engine's results, back in the given tensors.
+  void narrow() const;
+
+ private:
+  std::vector<at::Tensor> given_, wide_;
+  bool flipped_ = false;
+};
 
 // gloo's MIN and MAX keep or drop a NaN by the order they meet it, where hca's kernels let a
 // NaN win, as torch.amax does. So where gloo reduces floating CPU tensors with MIN or MAX, the

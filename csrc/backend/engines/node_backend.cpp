@@ -113,8 +113,12 @@ NodeBackend::AmongLeaders NodeBackend::among_leaders(int position, std::vector<a
                                                      LeadersAgreement& agreed, const Issue& issue,
                                                      c10d::ReduceOp::RedOpType reduction) const {
   const Engines& engines = leaders_.at(position);
-  tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   AmongLeaders call;
+  if (reduction != c10d::ReduceOp::UNUSED) {
+    call.widened.emplace(tensors, reduction);
+    tensors = call.widened->tensors();
+  }
+  tensors = engine_bytes(tensors, "the exchange among the nodes' leaders");
   const bool cuda = !tensors.empty() && tensors[0].device().is_cuda();
   if (cuda && engines.cuda) {
     call.work = issue(*engines.cuda, tensors);
@@ -149,6 +153,7 @@ void NodeBackend::AmongLeaders::finish() {
     put_nans_back(reduced, nan_mask, reduction);
   }
   for (size_t i = 0; i < given.size(); ++i) given[i].copy_(staged[i]);
+  if (widened) widened->narrow();
 }
 
 void NodeBackend::refuse_in_node(const char* op, const std::string& why) noexcept {
@@ -252,7 +257,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::allreduce(std::vector<at::Tensor>& t
     CallArgs args("allreduce", tensors);
     const Scaled in_place{0, tensors.size(), false};
     args.reduce_op(opts.reduceOp, &in_place);
-    check_engine_reduction(tensors, opts.reduceOp, "allreduce");
+    check_engine_reduction(tensors, opts.reduceOp, "allreduce", /*widened=*/true);
     check_device(args.device(), "allreduce");
     auto body = [this, args, packs = make_packs(args.descs(), options_.packing), op = opts.reduceOp,
                  timeout = timeout_or_default(opts.timeout)] {
@@ -311,7 +316,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce(std::vector<at::Tensor>& tens
     const int root = static_cast<int>(opts.rootRank);
     const Scaled scaled{0, tensors.size(), getRank() != root};  // only dst's tensors change
     args.reduce_op(opts.reduceOp, &scaled);
-    check_engine_reduction(tensors, opts.reduceOp, "reduce");
+    check_engine_reduction(tensors, opts.reduceOp, "reduce", /*widened=*/true);
     check_device(args.device(), "reduce");
     auto body = [this, args, dst = root, given_op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
       args.premultiply();
@@ -502,7 +507,7 @@ c10::intrusive_ptr<c10d::Work> NodeBackend::reduce_scatter_staged(std::vector<at
   const size_t n = outputs.size();
   const Scaled copies_of_inputs{n, inputs.size(), true};
   args.reduce_op(opts.reduceOp, &copies_of_inputs);
-  check_engine_reduction(inputs, opts.reduceOp, name);
+  check_engine_reduction(inputs, opts.reduceOp, name, /*widened=*/true);
   check_device(args.device(), name);
   auto body = [this, args, n, op = opts.reduceOp, timeout = timeout_or_default(opts.timeout)] {
     args.premultiply();

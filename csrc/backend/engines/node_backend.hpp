@@ -83,6 +83,7 @@ class NodeBackend : public EngineBackend {
     std::vector<at::Tensor> reduced;  // where NaNs go round: gloo's tensors, and their mask
     at::Tensor nan_mask;
     c10d::ReduceOp::RedOpType reduction = c10d::ReduceOp::UNUSED;
+    std::optional<WidenedForEngine> widened;  // a reduction of integers the engines have no arithmetic for
   };
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, std::vector<at::Tensor>&)>;
   AmongLeaders among_leaders(int position, std::vector<at::Tensor> tensors, LeadersAgreement& agreed,
