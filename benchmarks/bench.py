@@ -486,7 +486,7 @@ def main(argv=None):
                              "(4 B-64 KiB allreduce, blocking and async), choice (allreduce and broadcast under hca's "
                              "defaults and each fixed setting, alternating: the defaults-vs-best table)")
     parser.add_argument("--pin", action="store_true",
-                        help="pin rank r to core r %% cores (steadier runs; see docs/performance.md on bimodal runs)")
+                        help="pin rank r to core r %% cores (steadier runs; see docs/history/performance-log.md on bimodal runs)")
     parser.add_argument("--pin-cores", type=int_list_arg("integers such as 0,32,1,33", 0),
                         help='pin rank r to the r-th of these cores, e.g. "0,32,1,33" to alternate '
                              "sockets (groups='auto' then groups the ranks by socket)")

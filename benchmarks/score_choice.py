@@ -6,7 +6,7 @@
 For every world size and message size of the runs, the model's choice (torch_hca.costs) is looked
 up among the fixed settings timed there, and counted as good where it came within 1.05x of the
 fastest fixed setting of that run. Scored on runs other than those a model was fitted to, this says
-whether a calibration chooses better than the shipped table (docs/performance.md did so on
+whether a calibration chooses better than the shipped table (docs/history/performance-log.md did so on
 2026-11-30), without timing the defaults again.
 
 Beside the models, two bounds that no model has to meet (each size chosen apart from its

@@ -1,5 +1,7 @@
-"""The docs stay true: every TORCH_HCA_* variable the code reads is documented, every documented
-one is read, and the settings module knows them all; the README's options table is torch_hca.Options; links between the docs resolve."""
+"""The docs stay true and short: every TORCH_HCA_* variable the code reads is documented, every
+documented one is read, and the settings module knows them all; the README's options table is
+torch_hca.Options; links between the docs resolve; the README and the reference docs say what is,
+briefly (their lengths, short table cells, no dates or issue numbers in headings), the history apart."""
 import dataclasses
 import glob
 import os
@@ -11,8 +13,9 @@ from torch_hca.options import ENV_PREFIX
 from torch_hca.settings import known_variables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "benchmarks", "results", "README.md")] + sorted(
-    glob.glob(os.path.join(ROOT, "docs", "*.md")))
+REFERENCE = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+HISTORY = sorted(glob.glob(os.path.join(ROOT, "docs", "history", "*.md")))
+DOCS = REFERENCE + [os.path.join(ROOT, "benchmarks", "results", "README.md")] + HISTORY
 VARIABLE = re.compile(r"TORCH_HCA_[A-Z0-9_]*[A-Z0-9]")
 
 
@@ -129,3 +132,25 @@ def _repository_files(folder):
     except (OSError, subprocess.CalledProcessError):
         return os.listdir(folder)
     return sorted({path.split("/")[0] for path in listed.split("\0") if path})
+
+
+def test_the_readme_and_performance_page_are_short():
+    assert len(_read(os.path.join(ROOT, "README.md")).splitlines()) <= 150
+    assert len(_read(os.path.join(ROOT, "docs", "performance.md")).splitlines()) <= 400
+
+
+def test_no_table_cell_runs_past_forty_words():
+    for path in REFERENCE:
+        for number, line in enumerate(_read(path).splitlines(), 1):
+            if line.startswith("|"):
+                for cell in line.strip().strip("|").split("|"):
+                    assert len(cell.split()) <= 40, (path, number, cell[:80])
+
+
+def test_reference_headings_carry_no_dates_and_no_doc_names_an_issue_number():
+    """Dated narratives live in docs/history/; issue numbers mean nothing to a reader anywhere."""
+    for path in REFERENCE:
+        for heading in re.findall(r"^#+ (.+)$", _read(path), re.M):
+            assert not re.search(r"\b20\d\d-\d\d(-\d\d)?\b", heading), (path, heading)
+    for path in DOCS:
+        assert not re.search(r"\b[Ii]ssues? #?\d+", _read(path)), path

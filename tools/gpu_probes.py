@@ -1,5 +1,5 @@
-"""The research note's first-GPU-session probes that the tests and the benchmark do not cover
-(run by tools/gpu_session.sh; writes one JSON file):
+"""The first GPU run's probes that the tests and the benchmark do not cover
+(run by tools/gpu_check.sh; writes one JSON file):
 
 T1  two ranks of hca on one GPU: rank 0's stream runs a ~50 ms kernel before its allreduce,
     rank 1 calls the allreduce at once, so its stream waits on rank 0's flag word. Rank 0's

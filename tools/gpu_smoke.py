@@ -1,4 +1,4 @@
-"""A small hca allreduce on N ranks (the GPU session's first check, and memcheck's target):
+"""A small hca allreduce on N ranks (the GPU check's first phase, and memcheck's target):
 every rank all-reduces seeded data on its device (all CUDA ranks share GPU 0..n round-robin),
 checks every element against a float64 sum, and prints one line per rank.
 

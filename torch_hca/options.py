@@ -167,7 +167,7 @@ def shm_slots(environ=None) -> int:
     """Staging slots per rank, used as a ring (TORCH_HCA_SHM_SLOTS, default 16). A long ring lets
     the copies that peers' caches hold of a slot age out before the slot is written again: writing
     a line another core still holds must invalidate that copy first, which made 2 slots 1.2-2.2x
-    slower than 16 on a 2-vCPU VM (docs/performance.md)."""
+    slower than 16 on a 2-vCPU VM (docs/history/performance-log.md)."""
     return _env_int("SHM_SLOTS", 16, 2, environ, MAX_SLOTS)
 
 

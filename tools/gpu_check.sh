@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A lent GPU session: one build, then the phases named, in order, within one device call
-# (GPU_SESSION_BUDGET seconds, build included; default 540, a device call ends at 600). Every
+# The GPU check a lent GPU machine runs: one build, then the phases named, in order, within one device call
+# (GPU_CHECK_BUDGET seconds, build included; default 540, a device call ends at 600). Every
 # step runs under `timeout`, capped by what is left, and is skipped when nothing is left:
 #   smoke     machine facts, then a 2- and a 3-rank allreduce checked element by element (gpu_smoke.py)
 #   loops     the 2-rank DDP (with and without set_device) and FSDP2 training loops against gloo
@@ -12,7 +12,7 @@
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
 #             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes);
 #             PERF_WORLD_SIZES (default 1,2) names other world sizes, e.g. 3,4
-#   bash tools/gpu_session.sh smoke loops probes tests:test_cuda.py
+#   bash tools/gpu_check.sh smoke loops probes tests:test_cuda.py
 # Logs go to $OUT/logs.tar.gz (the device tool brings back 8 files at most), results (JSON, PNG)
 # beside it; $OUT is the device tool's output folder, ./gpu-out elsewhere. Without a GPU every
 # phase still runs (tests skip, the smoke runs on the CPU model): that is its check here.
@@ -21,11 +21,11 @@ cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-(( $# )) || { echo "usage: gpu_session.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench perf)"; exit 2; }
+(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench perf)"; exit 2; }
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
-BUDGET=${GPU_SESSION_BUDGET:-540}
+BUDGET=${GPU_CHECK_BUDGET:-540}
 # A hung launch in the tests gives up (its ranks' stacks printed) well before the device call ends;
 # a failure is printed as it happens, since a run the call cuts never prints its summary.
 export HCA_TEST_DEADLINE_S=${HCA_TEST_DEADLINE_S:-120} PYTHONUNBUFFERED=1 HCA_TEST_FAILURES_AT_ONCE=1
@@ -142,8 +142,8 @@ run_phase() {
 
 # The logs, packed whatever happens (a phase cut short, a failed build).
 trap 'tar -C "$OUT" -czf "$OUT/logs.tar.gz" logs && rm -rf "$LOGS"' EXIT
-# GPU_SESSION_BUILT=1: the checkout is built already (a check of this script on a developer's machine)
-if [[ ${GPU_SESSION_BUILT:-0} != 1 ]]; then
+# GPU_CHECK_BUILT=1: the checkout is built already (a check of this script on a developer's machine)
+if [[ ${GPU_CHECK_BUILT:-0} != 1 ]]; then
   build 2>&1 | tee "$LOGS/build-summary.log"
   (( PIPESTATUS[0] == 0 )) || exit 1
 fi
@@ -156,5 +156,5 @@ for phase in "$@"; do
   (( rc == 0 )) || status=1
   echo "=== $phase: exit $rc, $(( $(date +%s) - t0 )) s"
 done
-echo "session: $(( $(date +%s) - started )) s"
+echo "gpu_check: $(( $(date +%s) - started )) s"
 exit $status
