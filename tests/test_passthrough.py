@@ -96,7 +96,7 @@ def _forwarded(rank, world):
         errors.append(mismatch(f"reduce to {dst}{'' if rank == dst else ', kept by a non-root'}", t, want, world))
     dist.barrier()
     ops = torch_hca.AllReduceCrossDeviceOps("nccl", num_packs=2)
-    summed = ops.batch_reduce("mean", [inputs[rank], inputs[rank][:7]])
+    summed = ops.batch_reduce("mean", [(inputs[rank], None), (inputs[rank][:7], None)])
     errors.append(mismatch("tf mean", summed[0], reduce_reference(inputs, "AVG"), world))
     errors.append(mismatch("tf mean slice", summed[1], reduce_reference([x[:7] for x in inputs], "AVG"), world))
     return [e for e in errors if e]

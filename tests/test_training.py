@@ -177,8 +177,8 @@ def _tf_style(rank, world):
     every = [[make_input(7 + i, r, n, torch.float32, "SUM") for r in range(world)] for i, n in enumerate((5, 300, 1))]
     for ops in (torch_hca.HierarchicalCopyAllReduce(num_packs=2), torch_hca.ReductionToOneDevice(reduce_to_device=0)):
         originals = [v.clone() for v in values]
-        summed = ops.batch_reduce("sum", values)
-        means = ops.batch_reduce("mean", values)
+        summed = ops.batch_reduce("sum", [(v, None) for v in values])
+        means = ops.batch_reduce("mean", [(v, None) for v in values])
         for i in range(3):
             errors.append(mismatch(f"{type(ops).__name__} sum {i}", summed[i], reduce_reference(every[i], "SUM"), world))
             errors.append(mismatch(f"{type(ops).__name__} mean {i}", means[i], reduce_reference(every[i], "AVG"), world))

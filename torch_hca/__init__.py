@@ -12,7 +12,8 @@ check_built_torch()  # before the extension loads: another torch's build names b
 from . import _C  # noqa: F401,E402
 from .backend import BACKEND_NAME, create_backend, node_identity, register
 from .collectives import batch_allreduce, monitored_barrier
-from .cross_device_ops import AllReduceCrossDeviceOps, HierarchicalCopyAllReduce, ReductionToOneDevice
+from .cross_device_ops import (AllReduceCrossDeviceOps, CommunicationOptions, HierarchicalCopyAllReduce, ReduceOp,
+                               ReductionToOneDevice)
 from .explain import NodePlan, Plan, explain
 from .options import Options
 from .topology import hierarchy
@@ -23,5 +24,5 @@ register()
 __all__ = [
     "__version__",
     "BACKEND_NAME", "Options", "Plan", "NodePlan", "explain", "hierarchy", "batch_allreduce", "monitored_barrier", "create_backend", "node_identity",
-    "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice",
+    "AllReduceCrossDeviceOps", "HierarchicalCopyAllReduce", "ReductionToOneDevice", "CommunicationOptions", "ReduceOp",
 ]
