@@ -51,6 +51,20 @@ def test_bench_sweeps_like_nccl_tests_and_checks_every_element(op, datatype, red
             assert r["root"] == (nprocs - 1 if op == "broadcast" else -1)
 
 
+def test_bench_shows_how_long_the_host_is_held_with_a_rank_late(tmp_path):
+    """The host column on the CPU model of the device, rank 1 200 ms late to every size's 10 timed
+    calls: the early rank's thread is held for the late rank's arrival (at least 20 ms a call over
+    the 10), and every element is right."""
+    out = run_tool(["torch_hca.bench", "--device", "model", "--late-rank", "1:200", "-b", "8", "-e", "1K", "-f", "128",
+                    "-n", "10", "-w", "1", "--json", "rows.json"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "#wrong   host(us)" in out.stdout and "model  rank 1 200 ms late" in out.stdout, out.stdout
+    data = json.loads((tmp_path / "rows.json").read_text())
+    assert data["meta"]["device"] == "model" and data["meta"]["late_rank"] == [1, 0.2] and data["wrong"] == 0
+    assert [r["size"] for r in data["rows"]] == [8, 1024]
+    assert all(r["host_us"] >= 20_000 for r in data["rows"]), data["rows"]
+
+
 def test_bench_under_torchrun(tmp_path):
     out = run_tool(["--nproc-per-node", "2", "-m", "torch_hca.bench", "-b", "1K", "-e", "1M", "-f", "32",
                     "-o", "all_reduce", "--num-packs", "2", "--json", "rows.json"], tmp_path,
@@ -71,6 +85,7 @@ def test_bench_under_torchrun(tmp_path):
     (["-n", "-1"], "-n and -w: need 0 or more calls, got -1 and 3"),
     (["--num-packs", "-2"], "--algorithm / --num-packs: num_packs: requires num_packs >= 0"),  # every rank's traceback before
     (["--algorithm", "fast"], "--algorithm / --num-packs: algorithm: unknown algorithm 'fast'"),
+    (["--late-rank", "5:10"], "--late-rank: rank 5 is not in a world of 2 ranks"),
 ])
 def test_bench_refuses_bad_arguments_before_any_rank_starts(args, needle):
     with pytest.raises(SystemExit, match=needle):
@@ -79,6 +94,7 @@ def test_bench_refuses_bad_arguments_before_any_rank_starts(args, needle):
 
 @pytest.mark.parametrize("tool, args, needle", [
     ("torch_hca.bench", ["-b", "1x"], "argument -b/--minbytes: expected a positive size such as 8, 64K or 1M, got '1x'"),
+    ("torch_hca.bench", ["--late-rank", "1"], "argument --late-rank: expected R:MS, a rank and milliseconds such as 1:200"),
     ("torch_hca.check", ["--world-sizes", "1,a"], "argument --world-sizes: expected rank counts such as 1,2,3"),
     ("torch_hca.explain", ["3", "--groups", "0,a"], "argument --groups: expected lists of integers such as 0,1;2,3"),
     ("torch_hca.explain", ["3", "--numels", "1k"], "argument --numels: expected comma-separated integers, got '1k'"),

@@ -9,6 +9,8 @@
 #   memcheck  compute-sanitizer memcheck on a small 2-rank allreduce
 #   check     python -m torch_hca.check on CUDA tensors, 2 and 3 ranks on the GPU(s) (every op, dtype, algorithm)
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
+#   host      the host's time per call beside ProcessGroupNCCL's: world 1, hca's all-reduce and the nccl
+#             pass-through beside stock NCCL, 8 B-64 MiB; then 2 ranks sharing the GPU, rank 1 50 ms late
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
 #             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes);
 #             PERF_WORLD_SIZES (default 1,2) names other world sizes, e.g. 3,4
@@ -21,7 +23,7 @@ cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck bench perf)"; exit 2; }
+(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck check bench host perf)"; exit 2; }
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
@@ -123,6 +125,17 @@ run_phase() {
     bounded "$(left)" $PYTHON benchmarks/bench.py --device cuda --out "$OUT" \
       ${BENCH_ARGS:---world-sizes 1,2,3,4 --ops all_reduce,latency --latency-world-sizes 1,2,4}
     ;;
+  host)
+    local rc=0 device
+    device=$(has_gpu && echo cuda || echo model)  # no GPU: the CPU model of the device (the script's own check)
+    bounded "$(( $(left) / 3 ))" $PYTHON -m torch_hca.bench --device "$device" --nprocs 1 -b 8 -e 64M -f 8 \
+      --compare nccl --json "$OUT/host-ranks1.json" || rc=1
+    bounded "$(( $(left) / 2 ))" $PYTHON -m torch_hca.bench --device "$device" --nprocs 1 -b 8 -e 64M -f 8 \
+      --algorithm nccl --json "$OUT/host-ranks1-passthrough.json" || rc=1
+    bounded "$(left)" $PYTHON -m torch_hca.bench --device "$device" --nprocs 2 -b 8 -e 64M -f 64 \
+      --late-rank 1:50 -n 20 --json "$OUT/host-ranks2-late.json" || rc=1
+    return $rc
+    ;;
   perf)
     local chunk rc=0 runs=3
     for chunk in 1 8 64; do
@@ -134,7 +147,7 @@ run_phase() {
     return $rc
     ;;
   *)
-    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench perf)"
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench host perf)"
     return 2
     ;;
   esac

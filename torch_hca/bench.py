@@ -14,6 +14,11 @@ Columns, as nccl-tests prints them:
           reduce_scatter and all_to_all, x 1 for broadcast
   #wrong  elements, summed over ranks, that differ from a float64 reference built from every
           rank's seeded input (-c 1); the exit status is 1 if any did
+  host    microseconds per call that the caller's thread is held, the mean over the timed calls
+          of the rank held longest: where the device runs calls after the host (CUDA, the model
+          of the device), how far the host runs ahead; with --late-rank R:MS, rank R comes MS
+          milliseconds late to every size's timed calls, and the others' host column shows whether
+          their threads wait for it (a lockstep) or go on
 """
 from __future__ import annotations
 
@@ -61,6 +66,17 @@ def size_arg(text: str) -> int:
     if size < 1:
         raise argparse.ArgumentTypeError(f"expected a positive size such as 8, 64K or 1M, got {text!r}")
     return size
+
+
+def late_rank_arg(text: str):
+    """argparse's type of --late-rank: "R:MS" -> (rank R, MS milliseconds as seconds)."""
+    try:
+        rank, ms = text.split(":")
+        if int(rank) < 0 or float(ms) < 0:
+            raise ValueError
+        return int(rank), float(ms) / 1e3
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected R:MS, a rank and milliseconds such as 1:200, got {text!r}") from None
 
 
 def int_list_arg(what: str, least=None):
@@ -143,21 +159,26 @@ def wrong_count(op, group, dev, dtype, numels, redop, root, seed):
     return int(wrong_elements(result, want, world).sum())
 
 
-def median_seconds(fn, iters, warmup, dev, timer_group):
-    """Median seconds per call of the slowest rank, after `warmup` calls."""
+def median_seconds(fn, iters, warmup, dev, timer_group, late=None):
+    """Median seconds per call of the slowest rank, after `warmup` calls, and the mean seconds per
+    call the caller's thread was held on the rank held longest. `late`: (rank, seconds) that rank
+    sleeps before the timed calls."""
     for _ in range(warmup):
         fn()
     synchronize(dev)
     dist.barrier(group=timer_group)
-    samples = []
+    if late is not None and late[0] == dist.get_rank():
+        time.sleep(late[1])
+    samples, held = [], 0.0
     for _ in range(iters):
         start = time.perf_counter()
         fn()
+        held += time.perf_counter() - start
         synchronize(dev)
         samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=timer_group)
-    return median.item()
+    times = torch.tensor([statistics.median(samples), held / max(iters, 1)], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=timer_group)
+    return times[0].item(), times[1].item()
 
 
 def calls_per_batch(modes, slowest, probe, least, batch_s=5e-3):
@@ -212,7 +233,7 @@ def iterations(nbytes: int) -> int:
 
 
 def measure(label, op, group, sizes, dtype, dev, timer_group, iters=0, warmup=3, check=True, redop="SUM",
-            root=0, on_row=None):
+            root=0, on_row=None, late=None):
     """nccl-tests' rows for `op` on `group` at every size (bytes); `on_row(row)` as each is measured."""
     world, itemsize = group.size(), torch.empty(0, dtype=dtype).element_size()
     rows = []
@@ -225,24 +246,25 @@ def measure(label, op, group, sizes, dtype, dev, timer_group, iters=0, warmup=3,
             wrong = int(mine.item())
         inp = make_input(index, group.rank(), in_numel, dtype, redop).to(dev)
         out = torch.empty(out_numel, dtype=dtype, device=dev)
-        seconds = median_seconds(lambda: call(op, group, inp, out, redop, root), iters or iterations(size),
-                                 warmup, dev, timer_group)
+        seconds, held = median_seconds(lambda: call(op, group, inp, out, redop, root), iters or iterations(size),
+                                       warmup, dev, timer_group, late)
         algbw = size / seconds / 1e9
         rows.append(dict(backend=label, op=op, world_size=world, size=size, count=count, type=TYPE_NAMES[dtype],
                          redop=redop.lower() if op in REDUCING else "none", root=root if op == "broadcast" else -1,
-                         time_us=seconds * 1e6, algbw=algbw, busbw=algbw * bus_factor(op, world), wrong=wrong))
+                         time_us=seconds * 1e6, algbw=algbw, busbw=algbw * bus_factor(op, world), wrong=wrong,
+                         host_us=held * 1e6))
         if on_row is not None:
             on_row(rows[-1])
     return rows
 
 
 HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>6} {'redop':>6} {'root':>4} {'time(us)':>10} "
-          f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6}")
+          f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'host(us)':>10}")
 
 
 def format_row(r) -> str:
     return (f"{r['size']:>12} {r['count']:>11} {r['type']:>6} {r['redop']:>6} {r['root']:>4} {r['time_us']:>10.1f} "
-            f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6}")
+            f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6} {r['host_us']:>10.1f}")
 
 
 def print_table(rows, describe=None, file=None):
@@ -305,7 +327,7 @@ def run(args):
     from .options import Options
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev, dtype = rank_device(args.device), DTYPES[args.datatype]
+    dev, dtype = rank_device("cpu" if args.device == "model" else args.device), DTYPES[args.datatype]
     sizes = size_sweep(args.minbytes, args.maxbytes, args.stepfactor)
     timer_group = dist.group.WORLD
     options = hca_options(args)
@@ -327,7 +349,7 @@ def run(args):
             try:
                 rows += measure(backend, args.op, group, sizes, dtype, dev, timer_group, args.iters,
                                 args.warmup_iters, bool(args.check), REDOP_NAMES[args.redop], args.root,
-                                lambda row: progress.update())
+                                lambda row: progress.update(), args.late_rank)
             except (RuntimeError, NotImplementedError, ValueError) as e:
                 if backend == "hca":
                     raise
@@ -338,15 +360,17 @@ def run(args):
     wrong = sum(r["wrong"] for r in rows)
     if rank == 0:
         launch = "torchrun" if launched_by_torchrun() else "spawned"
+        late = f"  rank {args.late_rank[0]} {args.late_rank[1] * 1e3:g} ms late" if args.late_rank else ""
         print(f"# torch_hca.bench  {args.op}  {args.datatype}  {args.redop if args.op in REDUCING else ''}  "
-              f"{world} ranks ({launch})  {dev.type}  torch {torch.__version__}")
+              f"{world} ranks ({launch})  {args.device if args.device == 'model' else dev.type}{late}  "
+              f"torch {torch.__version__}")
         print_table(rows, describe)
         for s in skipped:
             print(f"\n# {s['backend']}: not run: {s['reason']}")
         print_comparison(rows)
         print(f"\n# {'wrong elements: ' + str(wrong) if wrong else 'every element checked was right' if args.check else 'not checked (-c 0)'}")
         meta = dict(op=args.op, datatype=args.datatype, redop=args.redop, world_size=world, launch=launch,
-                    device=dev.type, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                    device="model" if args.device == "model" else dev.type, late_rank=args.late_rank, gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
                     cores=os.cpu_count(), torch=torch.__version__, hca=describe["hca"],
                     date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv))
         with open(args.json, "w") as f:
@@ -368,7 +392,10 @@ def parser():
     p.add_argument("-n", "--iters", type=int, default=0, help="timed calls per size (0: fewer as sizes grow, 5-200)")
     p.add_argument("-w", "--warmup_iters", type=int, default=3)
     p.add_argument("-c", "--check", type=int, default=1, choices=[0, 1], help="check every element (1)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda where a GPU is")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "model"],
+                   help="auto: cuda where a GPU is; model: CPU tensors through the stream executor CUDA's run on "
+                        "(the CPU model of the device)")
+    p.add_argument("--late-rank", type=late_rank_arg, help="R:MS: rank R comes MS ms late to every size's timed calls")
     p.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not launched by torchrun")
     p.add_argument("--compare", default="", help="stock backends to sweep too, e.g. nccl,gloo")
     p.add_argument("--algorithm", help="hca's algorithm (default: TORCH_HCA_ALGORITHM, else hca's default)")
@@ -399,6 +426,10 @@ def main(argv=None):
     world = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.nprocs
     if not 0 <= args.root < world:
         raise SystemExit(f"-r/--root: rank {args.root} is not in a world of {world} ranks")
+    if args.late_rank and args.late_rank[0] >= world:
+        raise SystemExit(f"--late-rank: rank {args.late_rank[0]} is not in a world of {world} ranks")
+    if args.device == "model":  # read by every rank's groups at creation (the ranks inherit it)
+        os.environ["TORCH_HCA_CPU_EXECUTOR"] = "streams"
     args.json = os.path.abspath(args.json)
     if launched_by_torchrun():
         wrong = run_on_ranks(run, args, 0)
