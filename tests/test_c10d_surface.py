@@ -520,36 +520,26 @@ def test_init_with_a_negative_timeout_is_a_value_error():
         run_ranks(_nothing, 1, pg_timeout_s=-5)
 
 
-def _zero_timeout(rank, world, backend):
-    """set_timeout(0) is taken; a call whose peer comes 1 s late times out at once, as gloo's does."""
-    group = dist.new_group(backend=backend)
-    group._get_backend(torch.device("cpu")).set_timeout(timedelta(0))
-    dist.barrier()  # on the default group: both ranks have made the group (gloo's connects would time out)
-    if rank == 1:
-        time.sleep(1)
-        return None
-    start = time.monotonic()
-    message = raises(lambda: dist.all_reduce(torch.ones(4), group=group), RuntimeError)
-    return message, time.monotonic() - start
-
-
 @pytest.mark.parametrize("backend", ["gloo", "hca"])
 def test_a_zero_timeout_times_out_at_once_as_gloo(backend):
-    message, seconds = run_ranks(_zero_timeout, 2, backend, allow_missing=(1,))[0]
+    """set_timeout(0) is taken; a call whose peer comes 1 s late times out at once, as gloo's does."""
+    message, seconds = run_ranks(_timeout_set_later, 2, backend, 0, 1, allow_missing=(1,))[0]
     assert seconds < 0.5 and not message.startswith("UNEXPECTED"), (message, seconds)
     if backend == "hca":
         assert "Timed out after 0 ms" in message, message
 
 
-def _timeout_set_later(rank, world, backend):
-    """A group created with a 60 s timeout, then set to 1 s through its backend (as
-    `_set_pg_timeout` does for gloo); rank 1 skips a collective. How long the others waited,
-    and what they raised."""
+def _timeout_set_later(rank, world, backend, timeout_s=1, late_s=4):
+    """A group created with a 60 s timeout, then set to `timeout_s` through its backend (as
+    `_set_pg_timeout` does for gloo); rank 1 comes `late_s` late to a collective. How long the
+    others waited, and what they raised."""
     group = dist.new_group(backend=backend, timeout=timedelta(seconds=60))
-    group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=1))
-    dist.all_reduce(torch.ones(4), group=group)  # the new timeout does not break what arrives
+    group._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=timeout_s))
+    if timeout_s:
+        dist.all_reduce(torch.ones(4), group=group)  # the new timeout does not break what arrives
+    dist.barrier()  # on the default group: every rank has made the group (gloo's connects would time out at 0)
     if rank == 1:
-        time.sleep(4)
+        time.sleep(late_s)
         return None
     start = time.monotonic()
     message = raises(lambda: dist.all_reduce(torch.ones(4), group=group), RuntimeError)
