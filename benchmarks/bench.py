@@ -92,7 +92,7 @@ def time_batches(rank, world, timer_group):
         else:
             group = dist.new_group(backend="hca", pg_options=options)
             fn = lambda: torch_hca.batch_allreduce(tensors, group=group)  # noqa: E731
-        seconds = median_seconds(fn, iterations(nbytes), 3, torch.device("cpu"), timer_group)
+        seconds, _ = median_seconds(fn, iterations(nbytes), 3, torch.device("cpu"), timer_group)
         rows.append(dict(backend=label, op="batch100", world_size=world, size=nbytes, count=len(tensors),
                          time_us=seconds * 1e6))
     return rows

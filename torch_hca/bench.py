@@ -264,7 +264,7 @@ HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>6} {'redop':>6} {'root':>4} {
 
 def format_row(r) -> str:
     return (f"{r['size']:>12} {r['count']:>11} {r['type']:>6} {r['redop']:>6} {r['root']:>4} {r['time_us']:>10.1f} "
-            f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6} {r['host_us']:>10.1f}")
+            f"{r['algbw']:>11.3f} {r['busbw']:>11.3f} {r['wrong']:>6} {r.get('host_us', float('nan')):>10.1f}")
 
 
 def print_table(rows, describe=None, file=None):
