@@ -55,13 +55,17 @@ std::chrono::milliseconds checked_timeout(std::chrono::milliseconds timeout, con
 
 bool moved_as_bytes(at::ScalarType type) { return c10::isFloat8Type(type) || type == at::kFloat4_e2m1fn_x2; }
 
-#define HCA_REDUCED_DTYPES                                                                                       \
-  "float32, float64, float16, bfloat16, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool; complex for " \
-  "SUM and AVG"
+namespace {
+
+constexpr const char* kReducedDtypes =
+    "float32, float64, float16, bfloat16, int8, uint8, int16, uint16, int32, uint32, int64, uint64, bool; complex for "
+    "SUM and AVG";
+
+}  // namespace
 
 DType plan_dtype(at::ScalarType type, const char* op) {
   TORCH_CHECK_TYPE(!moved_as_bytes(type), "hca ", op, ": dtype ", type, " is not supported in reductions (",
-                   HCA_REDUCED_DTYPES, "); broadcast, all_gather, gather, scatter, all_to_all, send and recv move it");
+                   kReducedDtypes, "); broadcast, all_gather, gather, scatter, all_to_all, send and recv move it");
   switch (type) {
     case at::kFloat: return DType::F32;
     case at::kDouble: return DType::F64;
@@ -77,11 +81,11 @@ DType plan_dtype(at::ScalarType type, const char* op) {
     case at::kUInt32: return DType::U32;
     case at::kUInt64: return DType::U64;
     default:
-      TORCH_CHECK_TYPE(false, "hca ", op, ": dtype ", type, " is not supported (", HCA_REDUCED_DTYPES, ")");
+      TORCH_CHECK_TYPE(false, "hca ", op, ": dtype ", type, " is not supported (", kReducedDtypes, ")");
   }
 }
 
-ElementsOf elements_of(at::ScalarType type, int64_t numel, const char* op) {
+PlannedElements planned_elements(at::ScalarType type, int64_t numel, const char* op) {
   if (moved_as_bytes(type)) return {DType::U8, static_cast<size_t>(numel)};
   if (c10::isComplexType(type)) return {plan_dtype(c10::toRealValueType(type), op), 2 * static_cast<size_t>(numel)};
   return {plan_dtype(type, op), static_cast<size_t>(numel)};
@@ -195,7 +199,7 @@ CallArgs::CallArgs(const char* name, const std::vector<at::Tensor>& tensors, con
                       tensors[0].device(), " in one call");
     // float8 and float4 moved, not reduced, as uint8 (NCCL does the same), and reduce_op() refuses
     // them; complex as pairs of its real dtype.
-    const ElementsOf elements = elements_of(t.scalar_type(), t.numel(), name);
+    const PlannedElements elements = planned_elements(t.scalar_type(), t.numel(), name);
     descs_.push_back({elements.dtype, elements.count});
     const size_t i = dense_.size();
     const bool read_only = may_alias && may_alias(tensors, i, i);

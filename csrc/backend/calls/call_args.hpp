@@ -110,11 +110,11 @@ bool moved_as_bytes(at::ScalarType type);
 DType plan_dtype(at::ScalarType type, const char* op);
 // How the plan sees `numel` elements of `type`: float8 and float4 as bytes, complex as twice as many
 // of its real dtype, the rest as plan_dtype; a TypeError for a dtype hca does not carry.
-struct ElementsOf {
+struct PlannedElements {
   DType dtype;
   size_t count;
 };
-ElementsOf elements_of(at::ScalarType type, int64_t numel, const char* op);
+PlannedElements planned_elements(at::ScalarType type, int64_t numel, const char* op);
 // A complex tensor as its real view (one more dimension, of 2), any other as it is.
 at::Tensor as_real(const at::Tensor& t);
 // The element type a reduction of `type` works in (complex: its real dtype); a TypeError for

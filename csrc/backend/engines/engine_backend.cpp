@@ -56,7 +56,7 @@ at::Tensor engine_bytes(const at::Tensor& tensor, const char* op) {
   const auto type = tensor.scalar_type();
   if (moved_as_bytes(type)) return tensor.view(at::kByte);
   if (const auto carrier = engine_carrier(type)) return tensor.view(*carrier);
-  if (tensor.is_complex()) return at::view_as_real(tensor);  // gloo's gather and scatter have no complex
+  if (tensor.is_complex()) return as_real(tensor);  // gloo's gather and scatter have no complex
   if (tensor.is_cpu()) plan_dtype(type, op);  // gloo moves what hca's plans do
   return tensor;
 }
