@@ -230,7 +230,8 @@ WidenedForEngine::WidenedForEngine(const std::vector<at::Tensor>& tensors, c10d:
     if (t.scalar_type() != at::kUInt64) {
       wide_.push_back(t.to(*wider(t.scalar_type())));
     } else {
-      wide_.push_back(flipped_ ? at::bitwise_xor(t.view(at::kLong), kTopBit) : t.view(at::kLong).clone());
+      // SUM, PRODUCT and bitwise ops: the engine reduces straight into the int64 view
+      wide_.push_back(flipped_ ? at::bitwise_xor(t.view(at::kLong), kTopBit) : t.view(at::kLong));
     }
   }
 }
@@ -240,8 +241,8 @@ void WidenedForEngine::narrow() const {
   for (size_t i = 0; i < wide_.size(); ++i) {
     if (given_[i].scalar_type() != at::kUInt64) {
       given_[i].copy_(wide_[i]);  // cut back to the dtype's width, as its own arithmetic wraps
-    } else {
-      given_[i].view(at::kLong).copy_(flipped_ ? at::bitwise_xor(wide_[i], kTopBit) : wide_[i]);
+    } else if (flipped_) {
+      given_[i].view(at::kLong).copy_(at::bitwise_xor(wide_[i], kTopBit));
     }
   }
 }

@@ -84,7 +84,8 @@ void check_engine_reduction(const std::vector<at::Tensor>& tensors, const c10d::
 // them: copies in a wider dtype that it reduces to the same bits (int16 and uint16 in int32,
 // uint32 in int64: every op's result, cut back to the dtype's width, is the dtype's own; uint64
 // as int64, whose SUM, PRODUCT and bitwise ops are the same bits, and whose order is the unsigned
-// one once the top bit is flipped, for MIN and MAX), put back into the tensors by narrow().
+// one once the top bit is flipped, for MIN and MAX; without a flip, their own int64 view), put
+// back into the tensors by narrow().
 class WidenedForEngine {
  public:
   WidenedForEngine(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op);

@@ -57,10 +57,10 @@ NodeBackend::~NodeBackend() {
 }
 
 void NodeBackend::setTimeout(std::chrono::milliseconds timeout) {
-  timeout_ = checked_timeout(timeout, "setTimeout");
+  EngineBackend::setTimeout(timeout);  // first: it refuses a negative timeout before anything changes
+  timeout_ = timeout;
   local_->setTimeout(timeout);
   for (auto& entry : leaders_) set_engines_timeout(entry.second, timeout);
-  EngineBackend::setTimeout(timeout);
 }
 
 void NodeBackend::end_parts(bool abort) {

@@ -38,8 +38,8 @@ class PassthroughBackend : public EngineBackend {
 
   HCA_OVERRIDE_COLLECTIVES
   void setTimeout(std::chrono::milliseconds timeout) override {
-    timeout_ = checked_timeout(timeout, "setTimeout");
-    EngineBackend::setTimeout(timeout);
+    EngineBackend::setTimeout(timeout);  // first: it refuses a negative timeout before anything changes
+    timeout_ = timeout;
   }
 
  protected:
