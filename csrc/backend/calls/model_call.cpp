@@ -1,5 +1,6 @@
 // StreamCall over the CPU model of the device. The caller's CPU torch ops run
-// on the host, so the host stands for the caller's current stream: after
+// on the host, so the host stands for the caller's current stream (unless it runs
+// ahead, TORCH_HCA_MODEL_RUN_AHEAD, as a GPU's): after
 // wait() has made that stream wait, the host follows it (and the model raises
 // if the call has not finished by then: the caller would read unwritten
 // outputs), then waits for the executor to settle it, so that a release after
@@ -105,6 +106,7 @@ class ModelCall final : public StreamCall {
   DeviceRuntime::Stream current_stream() const override { return model().current_stream(device_index()); }
 
   void after_current_stream_waits() const override {
+    if (model().host_runs_ahead()) return;  // the caller's stream waits; the host goes on, as a GPU's
     // The caller's next op on the device runs on its current stream of the device.
     HostStream& caller = model().stream_on(device_index(), current_stream());
     try {

@@ -90,6 +90,8 @@ void ProcessGroupHCA::self_test_once(const at::Device& device) {
                              true, "hca:internal_self_test"));
     }
     for (auto& work : works) work->wait();
+    // The host reads them: on the model of the device, whose host may run ahead of the caller's stream, after it.
+    if (device.is_cpu() && cpu_call_streams_) cpu_call_streams_->synchronize_caller(device);
     for (const std::string& wrong : {difference(name + "'s all-reduce", summed, pattern(ranks_sum, 0)),
                                      difference(name + "'s broadcast", broadcast, pattern(-1, -0.25))}) {
       if (!wrong.empty() && found.empty()) found = wrong;

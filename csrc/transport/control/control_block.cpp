@@ -16,7 +16,7 @@ namespace hca {
 namespace {
 
 constexpr uint64_t kMagic = 0x7463685f6863615full;  // "_ach_hct"
-constexpr uint32_t kLayoutVersion = 11;
+constexpr uint32_t kLayoutVersion = 12;
 
 }  // namespace
 
@@ -264,7 +264,7 @@ uint64_t ControlBlock::started_by(int peer) const { return slot(peer).started.lo
 
 std::string ControlBlock::last_started_signature(int peer) const {
   const RankSlot& theirs = slot(peer);
-  return slot_text(theirs.signature[theirs.started.load(std::memory_order_acquire) % 2]);
+  return slot_text(theirs.signature[theirs.started.load(std::memory_order_acquire) % kSignatureSlots]);
 }
 
 void ControlBlock::check_usable(const std::string& operation) const {
@@ -289,24 +289,28 @@ void ControlBlock::start(const std::string& signature, const WaitContext& ctx, b
   await_posted(ctx, internal);
 }
 
-void ControlBlock::post(const std::string& signature, const WaitContext& ctx, bool internal) {
-  // This collective's slot is the one before the last's, which a late peer may still be reading
-  // (comparing it with its own): so first every peer has posted the last one. It always has, but
-  // after a mismatch, which a rank raises at the first peer whose call differs, and goes on.
-  for (int peer = 0; peer < world_; ++peer) {
-    if (peer == rank_) continue;
-    const RankSlot& theirs = slot(peer);
-    if (theirs.started.load(std::memory_order_acquire) >= collectives_) continue;
-    await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= collectives_; }, ctx);
+uint64_t ControlBlock::post(const std::string& signature, const WaitContext& ctx, bool internal) {
+  const uint64_t n = collectives_ + 1;
+  // This collective's signature slot held collective n - kSignatureSlots, which a peer may still
+  // compare with its own: so first every peer has compared that one.
+  if (n > kSignatureSlots) {
+    const uint64_t reused = n - kSignatureSlots;
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer == rank_) continue;
+      const RankSlot& theirs = slot(peer);
+      if (theirs.compared.load(std::memory_order_acquire) >= reused) continue;
+      await(peer, [&] { return theirs.compared.load(std::memory_order_acquire) >= reused; }, ctx);
+    }
   }
-  const uint64_t n = ++collectives_;
+  collectives_ = n;
   if (internal) ++internal_;
   RankSlot& mine = slot(rank_);
-  char* text = mine.signature[n % 2];
+  char* text = mine.signature[n % kSignatureSlots];
   std::strncpy(text, signature.c_str(), kSignatureBytes - 1);
   text[kSignatureBytes - 1] = '\0';
   mine.started.store(n, std::memory_order_release);
   ring();
+  return n;
 }
 
 bool ControlBlock::all_posted() const {
@@ -316,19 +320,75 @@ bool ControlBlock::all_posted() const {
   return true;
 }
 
-void ControlBlock::await_posted(const WaitContext& ctx, bool internal) const {
+std::string ControlBlock::numbered(const WaitContext& ctx, bool internal) const {
+  return internal ? ctx.operation : "collective #" + std::to_string(collectives_ - internal_);
+}
+
+void ControlBlock::note_compared(uint64_t n) {
+  std::lock_guard<std::mutex> lock(comparing_);
+  compared_early_.insert(n);
+  uint64_t through = slot(rank_).compared.load(std::memory_order_relaxed);
+  while (compared_early_.erase(through + 1)) ++through;
+  slot(rank_).compared.store(through, std::memory_order_release);
+  ring();
+}
+
+void ControlBlock::compare_with(int peer, uint64_t n, const std::string& operation) {
+  const char* text = slot(rank_).signature[n % kSignatureSlots];
+  const char* theirs = slot(peer).signature[n % kSignatureSlots];
+  if (std::strncmp(theirs, text, kSignatureBytes) == 0) return;
+  note_compared(n);
+  throw Failure(FailureKind::Mismatch, operation, peer,
+                kMismatchedCalls + ("rank " + std::to_string(rank_)) + " called " + slot_text(slot(rank_).signature[n % kSignatureSlots]) +
+                    " but rank " + std::to_string(peer) + " called " + slot_text(slot(peer).signature[n % kSignatureSlots]));
+}
+
+void ControlBlock::await_posted(const WaitContext& ctx, bool internal) {
   const uint64_t n = collectives_;
-  const char* text = slot(rank_).signature[n % 2];
+  const std::string operation = numbered(ctx, internal);
   for (int peer = 0; peer < world_; ++peer) {
     if (peer == rank_) continue;
     const RankSlot& theirs = slot(peer);
     await(peer, [&] { return theirs.started.load(std::memory_order_acquire) >= n; }, ctx);
-    if (std::strncmp(theirs.signature[n % 2], text, kSignatureBytes) != 0) {
-      throw Failure(FailureKind::Mismatch, internal ? ctx.operation : "collective #" + std::to_string(n - internal_), peer,
-                    kMismatchedCalls + ("rank " + std::to_string(rank_)) + " called " + text + " but rank " +
-                        std::to_string(peer) + " called " + slot_text(theirs.signature[n % 2]));
-    }
+    compare_with(peer, n, operation);
   }
+  note_compared(n);
+}
+
+int ControlBlock::census(uint64_t n, const std::string& operation) {
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_ && started_by(peer) < n) return peer;
+  }
+  for (int peer = 0; peer < world_; ++peer) {
+    if (peer != rank_) compare_with(peer, n, operation);
+  }
+  note_compared(n);
+  return -1;
+}
+
+void ControlBlock::await_post(int peer, uint64_t n, std::chrono::microseconds at_most) const {
+  Doorbell& bell = slot(peer).bell;
+  bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const uint32_t seen = bell.rings.load(std::memory_order_seq_cst);
+  if (started_by(peer) < n) futex_wait(bell.rings, seen, at_most);
+  bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+}
+
+void ControlBlock::mark_drained_before(uint64_t n) {
+  slot(rank_).drained_before.store(n, std::memory_order_release);
+  ring();
+}
+
+bool ControlBlock::all_drained_before(uint64_t n) const {
+  for (int peer = 0; peer < world_; ++peer) {
+    const RankSlot& theirs = slot(peer);
+    if (theirs.drained_before.load(std::memory_order_acquire) >= n || theirs.failed.load(std::memory_order_acquire) ||
+        theirs.left.load(std::memory_order_acquire) || !alive(peer)) {
+      continue;
+    }
+    return false;
+  }
+  return true;
 }
 
 void ControlBlock::monitored_barrier(std::chrono::milliseconds timeout, bool wait_all) {
@@ -384,8 +444,7 @@ void ControlBlock::scribble_for_test(uint64_t seed) {
   auto text = [&](auto& to) {
     for (char& c : to) c = static_cast<char>(1 + rng() % 255);
   };
-  text(mine.signature[0]);
-  text(mine.signature[1]);
+  for (auto& signature : mine.signature) text(signature);
   text(mine.failure);
   if (rng() % 2) mine.started.store(rng() % 2 ? rng() : mine.started.load() + 1 + rng() % 3);
   if (rng() % 2) mine.failed.store(static_cast<uint32_t>(rng()));

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "../rendezvous.h"
@@ -27,11 +28,16 @@ constexpr size_t kSignatureBytes = 240;  // a collective's signature, NUL includ
 // the numbers and the fix), so that peers report it whole.
 constexpr size_t kCauseBytes = 1024;
 constexpr size_t kCacheLine = 128;       // covers adjacent-line prefetch too
+// Signatures a rank keeps posted: how far a rank issuing on a stream runs ahead of its
+// slowest peer's census (StreamExecutor) before its host waits.
+constexpr uint64_t kSignatureSlots = 32;
 
 // One progress word per kind of executor: a shared-memory collective must not
 // see the words a stream (CUDA's) is still writing for an earlier collective.
-enum class ProgressWord : int { Host = 0, Stream = 1 };
-constexpr int kProgressWords = 2;
+// `Agreed`: the number of the last collective whose census this rank completed with every
+// peer's call the same; its own stream waits on it before a collective it ran ahead into.
+enum class ProgressWord : int { Host = 0, Stream = 1, Agreed = 2 };
+constexpr int kProgressWords = 3;
 
 // Progress values are 32-bit counters compared cyclically, as CUDA stream
 // memory operations compare them (wait until (int32_t)(value - at_least) >= 0).
@@ -56,8 +62,13 @@ struct alignas(kCacheLine) Doorbell {
 struct alignas(kCacheLine) RankSlot {
   ProgressLine progress[kProgressWords];
   Doorbell bell;
-  // Collectives started; the description of collective n sits in signature[n % 2].
+  // Collectives started; the description of collective n sits in signature[n % kSignatureSlots].
   std::atomic<uint64_t> started;
+  // Collectives this rank has compared with every peer's (it reads their signatures no more).
+  std::atomic<uint64_t> compared;
+  // After a mismatch at collective n that ends the group: n, once this rank's stream has
+  // passed everything issued before it (peers may still read its staging until then).
+  std::atomic<uint64_t> drained_before;
   int32_t pid;
   uint64_t pid_started;  // the process's start time (ticks since boot): tells its pid from another's
   // Set when the rank shut its group down (kLeftDestroyed, kLeftUnasked): once its lock is gone,
@@ -80,7 +91,7 @@ struct alignas(kCacheLine) RankSlot {
   struct alignas(kCacheLine) {
     std::atomic<int32_t> cpu{-1};
   } placement;
-  char signature[2][kSignatureBytes];
+  char signature[kSignatureSlots][kSignatureBytes];
   // The FailureKind of this rank's first failure (0 while healthy) and its cause.
   std::atomic<uint32_t> failed;
   char failure[kCauseBytes];
@@ -121,12 +132,28 @@ class ControlBlock {
   // Every wait here also ends, with check_usable's Failure, once this rank has failed.
   void start(const std::string& signature, const WaitContext& ctx, bool internal = false);
   // start() in two halves, so that a rank can stage its own data while it waits for
-  // late peers: post() says which collective this rank calls, once every peer has
-  // posted the last one (within `ctx`); await_posted() waits until every peer has posted the same.
-  void post(const std::string& signature, const WaitContext& ctx, bool internal = false);
-  void await_posted(const WaitContext& ctx, bool internal = false) const;
+  // late peers: post() says which collective this rank calls (its number, returned), once every
+  // rank has compared the one that used its signature slot last (within `ctx`); await_posted()
+  // waits until every peer has posted the same.
+  uint64_t post(const std::string& signature, const WaitContext& ctx, bool internal = false);
+  void await_posted(const WaitContext& ctx, bool internal = false);
+  // The number of this rank's last posted collective.
+  uint64_t posted() const { return collectives_; }
   // Whether every peer has posted this rank's last posted collective (or a later one), now.
   bool all_posted() const;
+  // The census of this rank's posted collective `n`, without waiting: the first peer that has
+  // not posted it yet, or -1 once every peer has posted the same (then n counts as compared);
+  // throws Failure(Mismatch) naming `operation` and both calls at the first peer whose call
+  // differs (n counts as compared too).
+  int census(uint64_t n, const std::string& operation);
+  // The name a mismatch of this rank's last posted collective gives it ("collective #k").
+  std::string numbered(const WaitContext& ctx, bool internal) const;
+  // Until `peer` has posted collective `n`, something else rang its doorbell, or `at_most` passed.
+  void await_post(int peer, uint64_t n, std::chrono::microseconds at_most) const;
+  // This rank's stream passed everything issued before collective `n` (a mismatch there ends the
+  // group); and whether every peer has said so for `n` (or failed, left or died: nothing to wait for).
+  void mark_drained_before(uint64_t n);
+  bool all_drained_before(uint64_t n) const;
 
   std::atomic<uint32_t>& progress(int rank, ProgressWord word) const {
     return slot(rank).progress[static_cast<int>(word)].value;
@@ -206,6 +233,10 @@ class ControlBlock {
   // The group's ranks' processes, as their slots say.
   std::vector<ProcessId> processes() const;
   [[noreturn]] void throw_peer_failed(int peer, const WaitContext& ctx) const;
+  // Collective n counts as compared: once every one before it does too, peers may reuse its slot.
+  void note_compared(uint64_t n);
+  // Throws Failure(Mismatch) if `peer`'s collective n differs from this rank's (noting n compared).
+  void compare_with(int peer, uint64_t n, const std::string& operation);
 
   int rank_, world_;
   size_t slots_offset_;
@@ -214,6 +245,8 @@ class ControlBlock {
   uint64_t internal_ = 0;     // of which hca's own
   uint64_t monitored_ = 0;    // monitored barriers entered by this rank
   std::mutex publishing_;     // collectives and point-to-point fail on different threads
+  std::mutex comparing_;      // a census runs on the caller's thread or the executor's watchdog
+  std::set<uint64_t> compared_early_;  // compared while an earlier collective was not
   mutable OutsideLoad outside_load_;  // asked after a wait's late yield
   mutable SharedCpuEscape shared_cpu_escape_;  // told of waits for a peer on the waiter's CPU
 };

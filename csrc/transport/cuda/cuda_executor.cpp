@@ -255,7 +255,9 @@ class RegisteredControl {
   }
   ~RegisteredControl() { cudaHostUnregister(control_.data()); }
 
-  uint64_t progress_word(int rank) const { return device_address(&control_.progress(rank, ProgressWord::Stream)); }
+  uint64_t progress_word(int rank, ProgressWord word = ProgressWord::Stream) const {
+    return device_address(&control_.progress(rank, word));
+  }
   // Every rank's failure word, as the GPU addresses them.
   ReleaseWords failure_words() const {
     return {reinterpret_cast<const uint32_t*>(device_address(&control_.failure_word(0))),
@@ -295,8 +297,8 @@ class CudaDevice final : public StreamDevice {
               size_t nsrc, size_t n, void* out, int divisor) override {
     reduce_async(cuda(stream), released_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
-  void wait_progress(Stream stream, int rank, uint32_t value) override {
-    ops_.wait_geq(cuda(stream), registered_.progress_word(rank), value);
+  void wait_progress(Stream stream, int rank, uint32_t value, ProgressWord word) override {
+    ops_.wait_geq(cuda(stream), registered_.progress_word(rank, word), value);
   }
   void write_progress(Stream stream, int rank, uint32_t value) override {
     ops_.write(cuda(stream), registered_.progress_word(rank), value);

@@ -240,8 +240,8 @@ class HostStreams final : public StreamDevice {
     });
   }
   // As a GPU's front end waits: no deadline (the executor's watchdog releases it).
-  void wait_progress(Stream stream, int rank, uint32_t value) override {
-    auto* word = &control_.progress(rank, ProgressWord::Stream);
+  void wait_progress(Stream stream, int rank, uint32_t value, ProgressWord kind) override {
+    auto* word = &control_.progress(rank, kind);
     ModelRuntime::instance().launch_on(stream).issue([word, value] {
       for (int i = 0; !reached(word->load(std::memory_order_acquire), value) && !context().faulted(); ++i) {
         if (i < 64) {

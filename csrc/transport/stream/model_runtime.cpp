@@ -50,6 +50,7 @@ ModelRuntime::ModelRuntime() {
     for (int d = 0; d < env_int("TORCH_HCA_MODEL_DEVICES", tensor_device_ + 1); ++d) visible_.push_back(d);
   }
   if (const char* folder = std::getenv("TORCH_HCA_MODEL_EXCLUSIVE")) exclusive_folder_ = folder;
+  host_runs_ahead_ = env_int("TORCH_HCA_MODEL_RUN_AHEAD", 0) != 0;
   if (tensor_device_ < 0 || tensor_device_ >= devices()) {
     cuda_error("the model's set-up", "TORCH_HCA_MODEL_DEVICE=" + std::to_string(tensor_device_) + " is not one of " +
                                          std::to_string(devices()) +

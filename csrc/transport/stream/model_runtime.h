@@ -14,6 +14,10 @@
 // A thread may capture a graph on its current (side) stream: capturing() says so
 // for that stream, and every other device call from that thread fails meanwhile
 // (stricter than CUDA's global capture mode, which refuses only unsafe calls).
+// The caller's torch ops on its CPU tensors run on the host, so by default the
+// host follows the caller's current stream once a Work's wait() ordered it; with
+// TORCH_HCA_MODEL_RUN_AHEAD=1 it does not, as a GPU's host runs ahead of its
+// streams: the caller then reads outputs only after _model.synchronize().
 #pragma once
 #include <map>
 #include <memory>
@@ -38,6 +42,8 @@ class ModelRuntime final : public DeviceRuntime {
   bool sees_physical(int physical) const;
   // The device the process's CPU tensors stand for the memory of.
   int tensor_device() const { return tensor_device_; }
+  // Whether the host runs ahead of the caller's streams (TORCH_HCA_MODEL_RUN_AHEAD).
+  bool host_runs_ahead() const { return host_runs_ahead_; }
 
   int current_device() override;
   void set_device(int device) override;
@@ -83,6 +89,7 @@ class ModelRuntime final : public DeviceRuntime {
 
   std::vector<int> visible_;  // the physical device of each of this process's devices
   int tensor_device_ = 0;
+  bool host_runs_ahead_ = false;
   std::string exclusive_folder_;
   std::mutex mutex_;
   std::set<int> contexts_;

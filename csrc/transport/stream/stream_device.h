@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../../plan/types.h"
+#include "../control/control_block.h"
 #include "device_runtime.h"
 #include "staging_place.h"
 
@@ -42,8 +43,8 @@ class StreamDevice {
   // As Medium::reduce (`srcs` is read at issue time).
   virtual void reduce(Stream stream, DType dtype, ReduceOp op, void* dst, const void* first, const void* const* srcs,
                       size_t nsrc, size_t n, void* out, int divisor) = 0;
-  // Until `rank`'s stream progress word w satisfies (int32_t)(w - value) >= 0.
-  virtual void wait_progress(Stream stream, int rank, uint32_t value) = 0;
+  // Until `rank`'s progress word `word` (w) satisfies (int32_t)(w - value) >= 0.
+  virtual void wait_progress(Stream stream, int rank, uint32_t value, ProgressWord word = ProgressWord::Stream) = 0;
   // This rank's stream progress word becomes `value`, made visible to peers.
   virtual void write_progress(Stream stream, int rank, uint32_t value) = 0;
 };

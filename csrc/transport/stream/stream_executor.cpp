@@ -61,7 +61,9 @@ class StreamExecutor final : public Executor {
       stop_ = true;
     }
     wake_.notify_all();
+    census_wake_.notify_all();
     if (watchdog_.joinable()) watchdog_.join();
+    if (census_thread_.joinable()) census_thread_.join();
     if (!device_) return;
     DeviceGuard guard(device_->runtime(), device_index_);
     drain();
@@ -70,12 +72,31 @@ class StreamExecutor final : public Executor {
     device_.reset();
   }
 
+  // Posts the collective and issues it without waiting for the peers: the last rank to post it
+  // compares the calls here; a rank that posted before a peer issues it behind a gate (its stream
+  // waits for its own Agreed word), which its watchdog opens once every peer has posted the same.
   void run(const Collective& collective) override {
     const WaitContext ctx = control_.begin(collective.signature, collective.timeout, collective.internal);
     std::unique_lock<std::mutex> lock(mutex_, std::defer_lock);
     try {
-      control_.start(collective.signature, ctx, collective.internal);
-      if (!device_) set_up(collective.device, ctx);
+      refuse_after_mismatch(ctx);
+      make_room(ctx);
+      const uint64_t n = control_.post(collective.signature, ctx, collective.internal);
+      bool agreed = false;
+      {
+        std::lock_guard<std::mutex> census(mutex_);
+        census_.push_back({n, control_.numbered(ctx, collective.internal), ctx});
+        advance_census();
+        if (mismatch_) throw *mismatch_;  // found here: this call issued nothing
+        agreed = census_.empty();
+      }
+      if (!agreed) census_wake_.notify_one();
+      if (!device_) {
+        // The first collective opens the device with the peers: agreed first, on the host.
+        await_census(n, ctx);
+        agreed = true;
+        set_up(collective.device, ctx);
+      }
       if (collective.device != device_index_) {
         throw Failure(FailureKind::Setup, ctx.operation, -1,
                       "this group's stream executor serves device " + std::to_string(device_index_) +
@@ -88,18 +109,24 @@ class StreamExecutor final : public Executor {
       medium_->set_stream(collective.stream);
       const DeviceRuntime::Event began = recorded(collective.stream);
       try {
+        if (!agreed) device_->wait_progress(collective.stream, control_.rank(), static_cast<uint32_t>(n), ProgressWord::Agreed);
         runner_->run(collective, ctx);
       } catch (...) {
-        track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began);
+        track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began, n);
         throw;
       }
-      track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began);
+      track(lock, collective.stream, ctx, collective.issued, collective.keep, medium_->awaited(), began, n);
     } catch (const Failure& failure) {
-      // Mismatched calls (only start() finds them) issued nothing, and every rank found them at
-      // this collective: the group goes on, and its calls before this one finish.
-      if (failure.kind() == FailureKind::Mismatch) throw;
-      if (!lock.owns_lock()) lock.lock();
-      fail(failure);
+      if (lock.owns_lock()) lock.unlock();
+      // A mismatch found before anything was issued on the device leaves the group usable (the
+      // first collective's); later ones end it once the streams drained (watch()).
+      if (failure.kind() == FailureKind::Mismatch) {
+        lock.lock();
+        if (!device_) forget_mismatch();
+        throw;
+      }
+      lock.lock();
+      if (!mismatch_ || failure.kind() != FailureKind::Unusable) fail(failure);
       throw;
     }
   }
@@ -123,7 +150,7 @@ class StreamExecutor final : public Executor {
     DeviceGuard guard(device_->runtime(), device_index_);
     WaitContext end{Clock::time_point::max(), "the end of a call", std::chrono::milliseconds(0)};
     try {
-      track(lock, stream, end, std::move(issued), std::move(keep), {});
+      track(lock, stream, end, std::move(issued), std::move(keep), {}, nullptr, control_.posted());
     } catch (const Failure&) {
       // Already failed: the Work reports it through `issued`.
     }
@@ -137,6 +164,14 @@ class StreamExecutor final : public Executor {
     std::shared_ptr<const void> keep;
     std::vector<uint32_t> awaited;  // what its waits expect of each peer's word; empty for a call's end
     DeviceRuntime::Event began = nullptr;  // where the stream begins the collective; null for a call's end
+    uint64_t number = 0;  // the collective's number (a call's end: its last collective's)
+  };
+
+  // A collective posted, not yet compared with every peer's.
+  struct Undecided {
+    uint64_t number;
+    std::string operation;  // what a mismatch names it
+    WaitContext ctx;
   };
 
   // An event recorded on `stream` now.
@@ -157,7 +192,8 @@ class StreamExecutor final : public Executor {
   // pass their poisoned waits, and nothing confirms that it finished.
   // `began` (owned from here on): where the stream begins a collective, null for a call's end.
   void track(std::unique_lock<std::mutex>& lock, void* stream, const WaitContext& ctx, std::shared_ptr<Issued> issued,
-             std::shared_ptr<const void> keep, std::vector<uint32_t> awaited, DeviceRuntime::Event began = nullptr) {
+             std::shared_ptr<const void> keep, std::vector<uint32_t> awaited, DeviceRuntime::Event began,
+             uint64_t number) {
     DeviceRuntime::Event done;
     try {
       done = recorded(stream);
@@ -166,10 +202,109 @@ class StreamExecutor final : public Executor {
       throw;
     }
     lock.lock();
-    pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited), began});
+    pending_.push_back({done, ctx, issued, std::move(keep), std::move(awaited), began, number});
     if (failed_) {
       if (issued) issued->release(failure_->what());
       throw *failure_;
+    }
+  }
+
+  // The census, in order, as far as the peers have posted (mutex_ held). Each collective every
+  // peer called alike opens its gate (this rank's Agreed word); the first that differs ends it.
+  void advance_census() {
+    while (!census_.empty() && !mismatch_) {
+      const Undecided& next = census_.front();
+      try {
+        if (control_.census(next.number, next.operation) >= 0) return;
+      } catch (const Failure& failure) {
+        mismatch_ = std::make_unique<Failure>(failure);
+        mismatch_at_ = next.number;
+        mismatch_operation_ = next.operation;
+        mismatch_deadline_ = deadline_after(next.ctx.timeout);
+        census_.clear();
+        return;
+      }
+      control_.progress(control_.rank(), ProgressWord::Agreed).store(static_cast<uint32_t>(next.number),
+                                                                       std::memory_order_release);
+      census_.pop_front();
+    }
+  }
+
+  // The first peer that has not posted the oldest undecided collective (-1: none undecided).
+  int awaited_poster() const {
+    if (census_.empty()) return -1;
+    for (int peer = 0; peer < control_.world(); ++peer) {
+      if (peer != control_.rank() && control_.started_by(peer) < census_.front().number) return peer;
+    }
+    return -1;
+  }
+
+  // Until collective `n` is compared with every peer's, on this thread (throws its mismatch,
+  // a dead peer, or the timeout).
+  void await_census(uint64_t n, const WaitContext& ctx) {
+    while (true) {
+      int peer = -1;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        advance_census();
+        if (mismatch_) throw *mismatch_;
+        if (census_.empty() || census_.front().number > n) return;
+        peer = awaited_poster();
+      }
+      if (peer < 0) continue;
+      control_.check_peer(peer, ctx);
+      control_.await_post(peer, n, std::chrono::milliseconds(2));
+    }
+  }
+
+  // Before posting: the host waits only where the census is a whole ring of signatures behind.
+  void make_room(const WaitContext& ctx) {
+    uint64_t oldest = 0;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (census_.size() + 1 < kSignatureSlots) return;
+      oldest = census_.front().number;
+    }
+    await_census(oldest, ctx);
+  }
+
+  void refuse_after_mismatch(const WaitContext& ctx) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!mismatch_) return;
+    throw Failure(FailureKind::Unusable, ctx.operation, -1,
+                  "this process group ends at an earlier mismatch: " + std::string(mismatch_->what()));
+  }
+
+  // A mismatch found before any rank issued on its device (the group's first collective).
+  void forget_mismatch() {
+    mismatch_.reset();
+    census_.clear();
+  }
+
+  // After a mismatch: once this rank's stream has passed everything issued before the mismatched
+  // collective, it says so; once every peer has (or the group's timeout passed), it fails the group
+  // with the mismatch, releasing the calls from there on. Their peers' earlier calls may read this
+  // rank's staging until they drained: only then may the kernels stop. (mutex_ held.)
+  void drain_after_mismatch() {
+    if (!drained_said_) {
+      const bool drained = pending_.empty() || (pending_.front().number >= mismatch_at_ &&
+                                                (!pending_.front().began || query_passed(pending_.front().began)));
+      if (!drained) return;
+      control_.mark_drained_before(mismatch_at_);
+      drained_said_ = true;
+    }
+    if (control_.all_drained_before(mismatch_at_) || Clock::now() > mismatch_deadline_) {
+      fail(Failure(FailureKind::Mismatch, mismatch_operation_, mismatch_->peer(),
+                   mismatch_->cause() + "; ranks issue ahead of each other on device streams, so the group ends at " +
+                       mismatch_operation_));
+    }
+  }
+
+  bool query_passed(DeviceRuntime::Event event) {
+    try {
+      return device_->runtime().query(event);
+    } catch (const Failure&) {
+      return true;  // a faulted device passes nothing more: oldest_passed() fails the group
     }
   }
 
@@ -191,6 +326,7 @@ class StreamExecutor final : public Executor {
     medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), device_->ring());
     runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
     watchdog_ = std::thread([this] { watch(); });
+    census_thread_ = std::thread([this] { take_census(); });
   }
 
   // A collective that passed may have been released by a failing peer's poison
@@ -222,6 +358,8 @@ class StreamExecutor final : public Executor {
       auto& word = control_.progress(r, ProgressWord::Stream);
       word.store(word.load(std::memory_order_relaxed) + kPoison, std::memory_order_release);
     }
+    auto& gate = control_.progress(control_.rank(), ProgressWord::Agreed);  // a gate that never opens
+    gate.store(gate.load(std::memory_order_relaxed) + kPoison, std::memory_order_release);
   }
 
   // Whether the stream passed the oldest pending mark. A faulted device fails
@@ -251,11 +389,16 @@ class StreamExecutor final : public Executor {
         finished.clear();
         lock.lock();
       }
-      if (pending_.empty() || stop_) continue;
+      if (stop_) continue;
       if (failed_) {
         poison();  // a live peer may have overwritten a poisoned word with a smaller value
         continue;
       }
+      if (mismatch_) {
+        drain_after_mismatch();
+        continue;
+      }
+      if (pending_.empty()) continue;
       const Pending& oldest = pending_.front();
       if (oldest.awaited.empty()) continue;  // a call's end waits on this rank's own stream only
       try {
@@ -263,6 +406,25 @@ class StreamExecutor final : public Executor {
       } catch (const Failure& failure) {
         fail(failure);
       }
+    }
+  }
+
+  // The census of collectives this rank ran ahead into, on a thread of its own: the watchdog may
+  // wait for Python (a tensor's finalizer) that waits for a later call of the group.
+  void take_census() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      advance_census();
+      const int poster = mismatch_ ? -1 : awaited_poster();
+      if (poster < 0) {
+        census_wake_.wait(lock);
+        continue;
+      }
+      // Asleep on the doorbell of the peer the census waits for: it rings when it posts.
+      const uint64_t n = census_.front().number;
+      lock.unlock();
+      control_.await_post(poster, n, std::chrono::milliseconds(2));
+      lock.lock();
     }
   }
 
@@ -308,6 +470,11 @@ class StreamExecutor final : public Executor {
                         "'s stream had not begun the collective, which waits for the caller's current stream to "
                         "reach the call (a kernel still running there, or another group's call waited for on it, "
                         "as when threads that drive groups of their own share the default stream)");
+    }
+    // A peer that never posted a collective up to this one (never called it): its peers wait at the gate.
+    if (!census_.empty() && census_.front().number <= oldest.number) {
+      const int poster = awaited_poster();
+      if (poster >= 0) throw_timeout(oldest.ctx, poster);
     }
     int behind = -1;
     uint32_t least = 0;
@@ -368,10 +535,19 @@ class StreamExecutor final : public Executor {
   size_t staging_slot_bytes_ = 0;
   std::condition_variable wake_;
   std::deque<Pending> pending_;
+  std::deque<Undecided> census_;
+  // The first mismatch the census found (it ends the group once the streams drained), at which collective.
+  std::unique_ptr<Failure> mismatch_;
+  uint64_t mismatch_at_ = 0;
+  std::string mismatch_operation_;
+  Clock::time_point mismatch_deadline_;
+  bool drained_said_ = false;
   bool stop_ = false;
   bool failed_ = false;
   std::unique_ptr<Failure> failure_;
   std::thread watchdog_;
+  std::condition_variable census_wake_;  // a collective became undecided, or stop_
+  std::thread census_thread_;
 };
 
 }  // namespace
