@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../../transport/control/wait.h"
+#include "../../transport/stream/event_pool.h"
 #include "issue_order.hpp"
 #include "../group/owning_process.hpp"
 #include "../group/process_group_hca.hpp"
@@ -79,21 +80,15 @@ StreamCall::StreamCall(DeviceRuntime& runtime, int device, DeviceRuntime::Stream
     : runtime_(runtime), device_(device), internal_(internal) {
   DeviceGuard guard(runtime_, device_);
   as_backend_error([&] {
-    ready_ = runtime_.create_event();
-    end_ = runtime_.create_event();
+    ready_ = EventPool::of(runtime_).take(device_);
+    end_ = EventPool::of(runtime_).take(device_);
     runtime_.record(ready_, caller);
   });
 }
 
 StreamCall::~StreamCall() {
-  try {
-    // On whatever thread drops the call last: the events' device, not that thread's.
-    DeviceGuard guard(runtime_, device_);
-    if (ready_) runtime_.destroy_event(ready_);
-    if (end_) runtime_.destroy_event(end_);
-  } catch (...) {
-    // A faulted device: the events go with its context.
-  }
+  if (ready_) EventPool::of(runtime_).give_back(device_, ready_);
+  if (end_) EventPool::of(runtime_).give_back(device_, end_);
 }
 
 void StreamCall::begin() const {
@@ -193,15 +188,16 @@ void CallStreams::synchronize_caller(const at::Device& device) {
   const int index = index_of_(device);
   DeviceGuard guard(runtime_, index);
   as_backend_error([&] {
-    const DeviceRuntime::Event passed = runtime_.create_event();
+    EventPool& events = EventPool::of(runtime_);
+    const DeviceRuntime::Event passed = events.take(index);
     try {
       runtime_.record(passed, caller_stream_(index));
       runtime_.synchronize(passed);
     } catch (...) {
-      runtime_.destroy_event(passed);
+      events.give_back(index, passed);
       throw;
     }
-    runtime_.destroy_event(passed);
+    events.give_back(index, passed);
   });
 }
 

@@ -146,8 +146,8 @@ std::unique_ptr<CallStreams> make_model_call_streams();
 std::unique_ptr<CallStreams> make_cuda_call_streams();
 
 // A Work body for host code that issues torch ops (`body`) on `call`'s stream
-// and that no executor watches: it returns once the stream has passed them,
-// so that `kept` lives as long as the stream reads it, and settles the call.
+// and that no executor watches: it returns once they are issued, `kept` kept
+// for as long as the stream reads it (keep_until_passed), and settles the call.
 // `body` runs on this thread (StreamCall::from_host). With `turn` (taken when
 // the call was made), it issues in that turn: after every earlier call of the
 // device, and so do the calls `body` makes; the turn passes once they have issued.

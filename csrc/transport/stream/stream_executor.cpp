@@ -9,6 +9,7 @@
 
 #include "../medium.h"
 #include "../round_runner.h"
+#include "event_pool.h"
 
 namespace hca {
 namespace {
@@ -174,14 +175,15 @@ class StreamExecutor final : public Executor {
     WaitContext ctx;
   };
 
+  EventPool& events() { return EventPool::of(device_->runtime()); }
+
   // An event recorded on `stream` now.
   DeviceRuntime::Event recorded(void* stream) {
-    DeviceRuntime& runtime = device_->runtime();
-    DeviceRuntime::Event event = runtime.create_event();
+    DeviceRuntime::Event event = events().take(device_index_);
     try {
-      runtime.record(event, stream);
+      device_->runtime().record(event, stream);
     } catch (...) {
-      runtime.destroy_event(event);
+      events().give_back(device_index_, event);
       throw;
     }
     return event;
@@ -198,7 +200,7 @@ class StreamExecutor final : public Executor {
     try {
       done = recorded(stream);
     } catch (...) {
-      if (began) device_->runtime().destroy_event(began);
+      if (began) events().give_back(device_index_, began);
       throw;
     }
     lock.lock();
@@ -286,14 +288,14 @@ class StreamExecutor final : public Executor {
   // with the mismatch, releasing the calls from there on. Their peers' earlier calls may read this
   // rank's staging until they drained: only then may the kernels stop. (mutex_ held.)
   void drain_after_mismatch() {
-    if (!drained_said_) {
-      const bool drained = pending_.empty() || (pending_.front().number >= mismatch_at_ &&
-                                                (!pending_.front().began || query_passed(pending_.front().began)));
-      if (!drained) return;
+    if (!drained_said_ && (pending_.empty() || (pending_.front().number >= mismatch_at_ &&
+                                                 (!pending_.front().began || query_passed(pending_.front().began))))) {
       control_.mark_drained_before(mismatch_at_);
       drained_said_ = true;
     }
-    if (control_.all_drained_before(mismatch_at_) || Clock::now() > mismatch_deadline_) {
+    // The deadline holds whether or not this rank drained: a stream stuck before the mismatch
+    // (its peer gone, say) is released by the failure.
+    if ((drained_said_ && control_.all_drained_before(mismatch_at_)) || Clock::now() > mismatch_deadline_) {
       fail(Failure(FailureKind::Mismatch, mismatch_operation_, mismatch_->peer(),
                    mismatch_->cause() + "; ranks issue ahead of each other on device streams, so the group ends at " +
                        mismatch_operation_));
@@ -415,11 +417,13 @@ class StreamExecutor final : public Executor {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stop_) {
       advance_census();
-      const int poster = mismatch_ ? -1 : awaited_poster();
-      if (poster < 0) {
+      if (census_.empty() || mismatch_) {
         census_wake_.wait(lock);
         continue;
       }
+      // -1: the last poster came after advance_census() looked; it looks again at once.
+      const int poster = awaited_poster();
+      if (poster < 0) continue;
       // Asleep on the doorbell of the peer the census waits for: it rings when it posts.
       const uint64_t n = census_.front().number;
       lock.unlock();
@@ -436,8 +440,8 @@ class StreamExecutor final : public Executor {
       if (!p.awaited.empty()) confirm_finished(p);
       if (!failed_ && p.awaited.empty() && p.issued) p.issued->settle();
     }
-    device_->runtime().destroy_event(p.done);
-    if (p.began) device_->runtime().destroy_event(p.began);
+    events().give_back(device_index_, p.done);
+    if (p.began) events().give_back(device_index_, p.began);
     std::shared_ptr<const void> kept = std::move(p.keep);
     pending_.pop_front();
     return kept;
