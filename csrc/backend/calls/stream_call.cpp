@@ -225,12 +225,14 @@ std::function<void()> issued_and_waited(std::shared_ptr<StreamCall> call, std::s
     } catch (...) {
       call->end();
       if (turn) turn->pass();
-      call->wait_for_end();  // what was issued before the error still reads `kept`
+      call->keep_until_passed(kept);  // what was issued before the error still reads it
       throw;
     }
     call->end();
-    if (turn) turn->pass();  // before the host waits: later calls issue meanwhile
-    call->wait_for_end();
+    if (turn) turn->pass();
+    // The host never waits for the device: the stream keeps what it reads, and the caller's
+    // stream waits for the end (wait()).
+    call->keep_until_passed(kept);
     call->issued()->settle();
   };
 }

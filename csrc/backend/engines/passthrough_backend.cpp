@@ -110,7 +110,9 @@ c10::intrusive_ptr<c10d::Work> PassthroughBackend::allreduce(std::vector<at::Ten
     std::shared_ptr<StreamCall> call;
     if (CallStreams* streams = call_streams(args.device())) {
       call = streams->call(args.device());
-      body = issued_and_waited(call, call->keep(CallTensors{std::move(args), tensors}), std::move(body));
+      std::vector<at::Tensor> read = tensors;  // the packs too: the stream reads them after the engine
+      read.insert(read.end(), packed->flats().begin(), packed->flats().end());
+      body = issued_and_waited(call, call->keep(CallTensors{std::move(args), std::move(read)}), std::move(body));
     }
     return record({"allreduce", tensors, tensors}, opts.asyncOp, [&] {
       auto work = c10::make_intrusive<WorkHCA>(getRank(), c10d::OpType::ALLREDUCE, tensors, std::move(body),

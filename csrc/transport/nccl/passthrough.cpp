@@ -33,12 +33,17 @@ c10d::ReduceOp engine_op(const c10d::ReduceOp& op) {
   return op == c10d::ReduceOp::AVG ? c10d::ReduceOp(c10d::ReduceOp::SUM) : op;
 }
 
+bool engine_averages(const std::vector<at::Tensor>& tensors) {
+  return !tensors.empty() && tensors[0].is_cuda() && at::isFloatingType(tensors[0].scalar_type());
+}
+
 PackedAllreduce::PackedAllreduce(c10d::Backend& engine, std::vector<at::Tensor> tensors, std::vector<Pack> packs,
                                  c10d::ReduceOp op, std::chrono::milliseconds timeout)
-    : tensors_(std::move(tensors)), packs_(std::move(packs)), average_(op == c10d::ReduceOp::AVG),
+    : tensors_(std::move(tensors)), packs_(std::move(packs)),
+      average_(op == c10d::ReduceOp::AVG && !engine_averages(tensors_)),
       world_(engine.getSize()) {
   c10d::AllreduceOptions opts;
-  opts.reduceOp = engine_op(op);
+  opts.reduceOp = average_ ? engine_op(op) : op;
   opts.timeout = timeout;
   for (const Pack& pack : packs_) {
     flats_.push_back(packed(tensors_, pack));
