@@ -61,8 +61,9 @@ class WorkHCA : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   // Waits for the host body: without a timeout, runs it here if it is next in
   // its queue and the worker has not taken it (no thread hand-off), else waits
-  // for the worker (up to `timeout`, if given). For device work, the caller's current
-  // stream then waits for the device, without blocking the host.
+  // for the worker. For device work, the caller's current stream then waits for the
+  // device, without blocking the host; with a `timeout`, the host waits for the device too
+  // and raises DistBackendError once it has passed.
   bool wait(std::chrono::milliseconds timeout) override;
   void synchronize() override;
   // Runs the body: the error it threw, if any (complete() follows, outside the queue's lock).
@@ -75,6 +76,9 @@ class WorkHCA : public c10d::Work {
  private:
   friend class WorkQueue;
   friend class WorkQueueState;
+  // Polls `done` until `deadline`; then DistBackendError naming `timeout`.
+  void await_within(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+                    const std::function<bool()>& done) const;
   OwningProcess owner_;
   std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
   std::chrono::steady_clock::time_point queued_at_;
