@@ -53,8 +53,8 @@ def test_bench_sweeps_like_nccl_tests_and_checks_every_element(op, datatype, red
 
 def test_bench_shows_how_long_the_host_is_held_with_a_rank_late(tmp_path):
     """The host column on the CPU model of the device, rank 1 200 ms late to every size's 10 timed
-    calls: the early rank's thread is held for the late rank's arrival (at least 20 ms a call over
-    the 10), and every element is right."""
+    calls: the early rank's thread is not held for the late rank's arrival (under 1 ms a call: its
+    host runs ahead, as a GPU's does), and every element is right once the host synchronizes."""
     out = run_tool(["torch_hca.bench", "--device", "model", "--late-rank", "1:200", "-b", "8", "-e", "1K", "-f", "128",
                     "-n", "10", "-w", "1", "--json", "rows.json"], tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -62,7 +62,7 @@ def test_bench_shows_how_long_the_host_is_held_with_a_rank_late(tmp_path):
     data = json.loads((tmp_path / "rows.json").read_text())
     assert data["meta"]["device"] == "model" and data["meta"]["late_rank"] == [1, 0.2] and data["wrong"] == 0
     assert [r["size"] for r in data["rows"]] == [8, 1024]
-    assert all(r["host_us"] >= 20_000 for r in data["rows"]), data["rows"]
+    assert all(r["host_us"] < 1000 for r in data["rows"]), [(r["size"], r["host_us"]) for r in data["rows"]]
 
 
 def test_bench_under_torchrun(tmp_path):

@@ -143,8 +143,13 @@ def call(op, group, inp, out, redop="SUM", root=0):
 
 
 def synchronize(dev):
+    """The host waits for the caller's stream: CUDA's, or the CPU model's where its host runs ahead."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+    elif os.environ.get("TORCH_HCA_MODEL_RUN_AHEAD") == "1":
+        from . import _C
+
+        _C._model.synchronize()
 
 
 def wrong_count(op, group, dev, dtype, numels, redop, root, seed):
@@ -155,6 +160,7 @@ def wrong_count(op, group, dev, dtype, numels, redop, root, seed):
         return make_input(seed, r, numels[0], dtype, redop)
 
     result = call(op, group, input_of(rank).to(dev), torch.empty(numels[1], dtype=dtype, device=dev), redop, root)
+    synchronize(dev)
     want = collective_reference(op, input_of, rank, world, redop, root)
     return int(wrong_elements(result, want, world).sum())
 
@@ -430,6 +436,7 @@ def main(argv=None):
         raise SystemExit(f"--late-rank: rank {args.late_rank[0]} is not in a world of {world} ranks")
     if args.device == "model":  # read by every rank's groups at creation (the ranks inherit it)
         os.environ["TORCH_HCA_CPU_EXECUTOR"] = "streams"
+        os.environ["TORCH_HCA_MODEL_RUN_AHEAD"] = "1"  # its host runs ahead of its streams, as a GPU's
     args.json = os.path.abspath(args.json)
     if launched_by_torchrun():
         wrong = run_on_ranks(run, args, 0)
