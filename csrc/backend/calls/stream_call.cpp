@@ -2,8 +2,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -246,14 +244,10 @@ std::function<void()> drained(std::vector<std::shared_ptr<StreamCall>> calls, st
       call->end();
       // Polled, not synchronized: a device that never gets there must not hold the barrier for ever.
       // query() is true on a fault too, which wait_for_end() then raises as DistBackendError.
-      for (auto pause = std::chrono::microseconds(20); !call->query();
-           pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
-        if (Clock::now() >= deadline) {
-          C10_THROW_ERROR(DistBackendError, "hca barrier: this rank's device work issued before the barrier (on device " +
-                                                std::to_string(call->device_index()) + ") did not finish within " +
-                                                std::to_string(timeout.count()) + " ms");
-        }
-        std::this_thread::sleep_for(pause);
+      if (!poll_until(deadline, [&] { return call->query(); })) {
+        C10_THROW_ERROR(DistBackendError, "hca barrier: this rank's device work issued before the barrier (on device " +
+                                              std::to_string(call->device_index()) + ") did not finish within " +
+                                              std::to_string(timeout.count()) + " ms");
       }
       call->wait_for_end();
       call->issued()->settle();

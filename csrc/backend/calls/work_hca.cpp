@@ -2,11 +2,9 @@
 
 #include <ATen/core/jit_type.h>
 
-#include <algorithm>
-#include <thread>
-
 #include "../../transport/control/failure.h"
 #include "../../transport/control/thread_slice.h"
+#include "../../transport/control/wait.h"
 #include "../../transport/shm/progress.h"
 
 namespace hca {
@@ -145,27 +143,19 @@ bool WorkHCA::wait(std::chrono::milliseconds timeout) {
   // caller asked to learn within it whether the call finished (a late peer's call has not). Both
   // are polled first, since c10d's wait ends in synchronize(), which on the model blocks the host.
   if (timeout != kNoTimeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    await_within(deadline, timeout, [this] { return c10d::Work::isCompleted(); });
-    if (device_) await_within(deadline, timeout, [this] { return device_->query(); });
-  }
-  const bool done = c10d::Work::wait(timeout);
-  synchronize();
-  return done;
-}
-
-void WorkHCA::await_within(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
-                           const std::function<bool()>& done) const {
-  for (auto pause = std::chrono::microseconds(20); !done();
-       pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
-    if (std::chrono::steady_clock::now() >= deadline) {
+    const auto deadline = deadline_after(timeout);
+    const bool finished = poll_until(deadline, [this] { return c10d::Work::isCompleted(); }) &&
+                          (!device_ || poll_until(deadline, [this] { return device_->query(); }));
+    if (!finished) {
       C10_THROW_ERROR(DistBackendError, "hca " + std::string(c10d::opTypeToString(retrieveOpType())) +
                                             ": Work.wait(timeout=" + std::to_string(timeout.count()) +
                                             " ms) timed out: the call has not finished (a peer has not called it "
                                             "yet, or the device is still at it)");
     }
-    std::this_thread::sleep_for(pause);
   }
+  const bool done = c10d::Work::wait(timeout);
+  synchronize();
+  return done;
 }
 
 void WorkHCA::synchronize() {

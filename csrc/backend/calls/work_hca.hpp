@@ -76,9 +76,6 @@ class WorkHCA : public c10d::Work {
  private:
   friend class WorkQueue;
   friend class WorkQueueState;
-  // Polls `done` until `deadline`; then DistBackendError naming `timeout`.
-  void await_within(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
-                    const std::function<bool()>& done) const;
   OwningProcess owner_;
   std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
   std::chrono::steady_clock::time_point queued_at_;

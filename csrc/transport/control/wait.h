@@ -10,10 +10,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <string>
+#include <thread>
 
 #include "failure.h"
 
@@ -32,6 +34,18 @@ inline Clock::time_point deadline_after(std::chrono::milliseconds timeout) {
   const auto now = Clock::now();
   const auto room = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::time_point::max() - now);
   return timeout >= room ? Clock::time_point::max() : now + timeout;
+}
+
+// Polls `ready`, pausing 20 us at first and up to 1 ms, until it holds (true) or `deadline` has
+// passed (false): for what has no doorbell to sleep on, such as a device's events.
+template <class Ready>
+bool poll_until(Clock::time_point deadline, Ready ready) {
+  for (auto pause = std::chrono::microseconds(20); !ready();
+       pause = std::min(2 * pause, std::chrono::microseconds(1000))) {
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+  }
+  return true;
 }
 
 // Throw hca::Failure naming the operation and the rank.
