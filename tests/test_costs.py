@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from torch_hca import costs
+from torch_hca import costs, links, topology
 from harness import STREAMS_ENV, RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
 
@@ -225,6 +225,32 @@ def test_cuda_tensors_of_ranks_sharing_one_gpu_get_its_table():
     assert costs.sharing_one_gpu(1) is None
 
 
+@pytest.mark.parametrize("kind", ["nvlink", "pcie"])
+def test_the_link_model_of_a_gpu_per_rank_crosses_from_one_shot_to_two_shot(kind):
+    """One clique of GPUs: direct (one step) wins small all-reduces, a pack per rank (two steps of
+    1/N each) large ones, from a size that falls with the ranks and with slower links, as vLLM's
+    measured crossovers do; at 2 ranks direct always wins (two-shot moves as much in two steps).
+    Where the lines come from is said: predicted."""
+    crossovers = {}
+    for world in (2, 3, 4, 8):
+        model = links.clique_cost_model(kind, world, 8 << 20)
+        table = model.by_size()
+        assert "predicted, not measured" in model.origin and table[0] == (0, "direct"), table
+        if world == 2:
+            assert table == [(0, "direct")], table
+            continue
+        assert [name for _, name in table] == ["direct", "pack_per_rank"], table
+        crossovers[world] = table[1][0]
+    assert crossovers[3] > crossovers[4] > crossovers[8], crossovers
+    if kind == "nvlink":
+        assert 128 << 10 < crossovers[8] < 1 << 20, crossovers  # vLLM: two-shot from 256 KB at 8 H100s
+    else:
+        assert crossovers[8] < links.clique_cost_model("nvlink", 8, 8 << 20).by_size()[1][0]
+    direct, two_shot = (links.LinkModel(kind, 8, 8 << 20).predict_us(64 << 20, n) for n in ("direct", "pack_per_rank"))
+    port = links.PORT_BYTES_PER_US[kind]
+    assert 2 * 7 / 8 * (64 << 20) / port < two_shot < direct, (two_shot, direct)  # at least the links' time
+
+
 def _cuda_choice(group):
     """A group's CUDA tensors as hierarchy() and explain tell them (a 1 MiB all-reduce), and the
     table its C++ group plans them with."""
@@ -277,24 +303,39 @@ def _cpu_table(world):
     return (costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []), model and model.origin
 
 
-def _table(gpus):
-    """What a group of ranks on `gpus` should plan CUDA tensors with, and its model's origin."""
+def _table(gpus, clique):
+    """What a group of ranks on `gpus` should plan CUDA tensors with, and its model's origin: where
+    `clique` (the ranks found a GPU each at init, all NVLink peers), the link model's for ranks on a
+    GPU each."""
     model = costs.sharing_one_gpu(len(gpus)) if len(set(gpus)) == 1 else None
+    if clique and len(set(gpus)) == len(gpus) > 1:
+        model = links.clique_cost_model("nvlink", len(gpus), 8 << 20)
     return (costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []), model
 
 
-@pytest.mark.parametrize("world, layout", [(4, "shared"), (3, "shared"), (4, "a GPU each"), (3, "the last apart"),
-                                           (2, "shared"), (2, "a GPU each"), (1, "shared")])
-def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, layout):
+def _on_an_nvswitch_node(world, rank):
+    """Runs in each rank before init: it finds a GPU of its own, NVLink to every other rank's."""
+    places = topology.layout_places([f"gpu{r}" for r in range(world)], "nvswitch")
+    topology.MACHINE = lambda: topology.Machine(gpu=places[rank].gpu)
+
+
+@pytest.mark.parametrize("world, layout, clique", [
+    (4, "shared", False), (3, "shared", False), (4, "a GPU each", False), (3, "the last apart", False),
+    (2, "shared", False), (2, "a GPU each", False), (1, "shared", False),
+    (4, "a GPU each", True), (3, "shared", True), (3, "the last apart", True)])
+def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, layout, clique):
     """Until its first CUDA collective a group plans CUDA tensors with one pack; there every rank
     says where its tensors are (made-up GPUs here), and where all are on one GPU the C++ group takes
     the table of as many ranks sharing one, the same on every rank; CPU tensors keep their own;
     fixed options choose nothing; a child split off asks for itself and takes its own size's table
     (4 ranks: reduce_to_one_device; the child of 3: one pack), also where its parent found none.
     The child's CPU tensors too take its own size's table, not its parent's (on 2 CPUs, 4 and 3
-    ranks taking turns differ from 2 with a CPU each)."""
+    ranks taking turns differ from 2 with a CPU each). Where the ranks found at init a GPU each,
+    all NVLink peers (`clique`), tensors on a GPU each take the link model's table, the child's of
+    its own size; tensors that turn out on one GPU, that GPU's; any other layout none."""
     gpus = GPU_LAYOUTS[layout](world)
-    results = run_ranks(_choices_per_device, world, gpus)
+    setup = functools.partial(_on_an_nvswitch_node, world) if clique else None
+    results = run_ranks(_choices_per_device, world, gpus, before_init=setup)
     none = {"cuda": None, "cuda_by_size": [], "chosen": None, "its_hierarchy": True}
     for out in results[:-1]:  # the last rank is outside the child
         assert out == results[0], out
@@ -309,7 +350,7 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
         assert (got["cpu_by_size"], got["cpu_model"]) == _cpu_table(ranks), (name, got)
         if ranks < 2:
             continue
-        want, model = _table(gpus[:ranks])
+        want, model = _table(gpus[:ranks], clique)
         assert got["before"] == none, got
         assert got["after"]["cuda_by_size"] == want and got["after"]["cuda"] == (model and model.origin), got
         assert got["after"]["chosen"] == (model and model.choose(1 << 20)) and got["after"]["its_hierarchy"], got
@@ -480,9 +521,9 @@ def test_a_group_that_ended_asks_nothing():
         assert by_size == [] and seconds < 1, (by_size, seconds)
 
 
-def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused():
+@pytest.mark.parametrize("tables", ["cuda_tables_sharing_one_gpu", "cuda_tables_gpu_per_rank"])
+def test_a_cuda_table_that_does_not_start_at_0_bytes_is_refused(tables):
     with pytest.raises(ValueError, match="must start at 0 bytes"):
         torch_hca._C.ProcessGroupHCA(store=dist.HashStore(), rank=0, size=2, timeout_ms=1000,
                                      options=torch_hca.Options().plan_options(), shm_slot_bytes=1 << 20, shm_slots=2,
-                                     cuda_slot_bytes=0, cuda_slots=2,
-                                     cuda_tables_sharing_one_gpu={2: [(8, "direct", False)]})
+                                     cuda_slot_bytes=0, cuda_slots=2, **{tables: {2: ([(8, "direct", False)], "null")}})

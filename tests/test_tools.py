@@ -100,6 +100,9 @@ def test_bench_refuses_bad_arguments_before_any_rank_starts(args, needle):
     ("torch_hca.explain", ["3", "--numels", "1k"], "argument --numels: expected comma-separated integers, got '1k'"),
     ("torch_hca.explain", ["3", "--groups", "0,1;5"], "error: groups: rank 5 is outside the world of 3 ranks"),
     ("torch_hca.explain", ["2", "--num-packs", "-1"], "error: num_packs: requires num_packs >= 0"),
+    ("torch_hca.explain", ["4", "--device", "cuda", "--links", "pcie"], "error: links: name each rank's GPU too"),
+    ("torch_hca.explain", ["4", "--device", "cuda", "--gpus", "0,1,2,3", "--links", "dgx1"],
+     "error: links='dgx1': a DGX-1 has 8 GPUs, the ranks name 4"),
 ])
 def test_tools_name_a_bad_argument_in_one_line_not_a_traceback(tool, args, needle, tmp_path):
     out = run_tool([tool, *args], tmp_path)
@@ -213,6 +216,16 @@ def test_explain_prints_the_plan_from_the_command_line_without_a_warning(tmp_pat
     assert out.returncode == 0 and out.stderr == "", out.stderr
     assert "chosen per call: reduce_to_one_device" in out.stdout and "step 1: reduce 1->0, reduce 2->0, reduce 3->0" \
         in out.stdout and f"rounds of a {64 << 20}-byte slot" in out.stdout, out.stdout
+    gpus = ",".join(map(str, range(8)))
+    for numels, chosen in ((1024, "direct"), (1 << 22, "a pack per rank")):
+        out = run_tool(["torch_hca.explain", "8", "--device", "cuda", "--gpus", gpus, "--links", "nvswitch",
+                        "--numels", str(numels)], tmp_path)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert out.stdout.startswith("groups [[0, 1, 2, 3, 4, 5, 6, 7]] by GPU link domain") and \
+            f"chosen per call: {chosen} " in out.stdout and "(predicted, not measured)" in out.stdout, out.stdout
+    out = run_tool(["torch_hca.explain", "8", "--device", "cuda", "--gpus", gpus, "--links", "dgx1"], tmp_path)
+    assert out.stdout.startswith("groups [[0, 1, 2, 3], [4, 5, 6, 7]] by GPU link domain") and \
+        "chosen per call" not in out.stdout and "step 2: reduce 4->0" in out.stdout, out.stdout
 
 
 def test_the_package_reports_what_it_sees_and_names_a_misspelt_setting(tmp_path, monkeypatch):

@@ -123,7 +123,8 @@ GPU_CASES = [
     ("DGX-1, ranks interleaved", _dgx1(), [0, 4, 1, 5, 2, 6, 3, 7], [[0, 2, 4, 6], [1, 3, 5, 7]], "GPU link domain"),
     ("two PCIe switches, 2 ranks a GPU", [[a // 2 == b // 2 for b in range(4)] for a in range(4)],
      [0, 0, 1, 1, 2, 2, 3, 3], [[0, 1, 2, 3], [4, 5, 6, 7]], "GPU link domain"),
-    ("NVSwitch: every GPU linked", [[True] * 4 for _ in range(4)], [0, 1, 2, 3], [[0, 1], [2, 3]], "halves"),
+    ("NVSwitch: every GPU linked", [[True] * 4 for _ in range(4)], [0, 1, 2, 3], [[0, 1, 2, 3]], "GPU link domain"),
+    ("every GPU linked, two ranks on one", [[True] * 3 for _ in range(3)], [0, 1, 2, 2], [[0, 1], [2, 3]], "halves"),
     ("several ranks on one GPU", [[True]], [0, 0, 0], [[0, 1, 2]], "halves"),
     ("a rank without GPU information", _dgx1(), [0, 1, 4, None], [[0, 1], [2, 3]], "halves"),
     ("no links at all", [[a == b for b in range(3)] for a in range(3)], [0, 1, 2], [[0], [1], [2]],
@@ -169,16 +170,17 @@ def test_without_nvml_the_fastest_ranked_cuda_links_count(name, ranks, want):
 
 
 class _FakeNvml:
-    """pynvml on a machine of `count` GPUs, NVLink between all, where NVML supports no topology
-    query of a GPU with itself (seen on an H200 VM) or none at all (`topology=False`)."""
+    """pynvml on a machine of `count` GPUs, NVLink between all (or, `nvlink=False`, one PCIe switch),
+    where NVML supports no topology query of a GPU with itself (seen on an H200 VM) or none at all
+    (`topology=False`)."""
 
     class NVMLError(Exception):
         pass
 
     NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK, NVML_TOPOLOGY_MULTIPLE = 0, 0, 20
 
-    def __init__(self, count, topology=True):
-        self.count, self.topology = count, topology
+    def __init__(self, count, topology=True, nvlink=True):
+        self.count, self.topology, self.nvlink = count, topology, nvlink
 
     def nvmlInit(self):
         pass
@@ -198,7 +200,7 @@ class _FakeNvml:
     def nvmlDeviceGetP2PStatus(self, a, b, index):
         if a == b or not self.topology:
             raise self.NVMLError("Not Supported")
-        return self.NVML_P2P_STATUS_OK
+        return self.NVML_P2P_STATUS_OK if self.nvlink else 1
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
         if a == b or not self.topology:
@@ -208,11 +210,13 @@ class _FakeNvml:
 
 def test_nvml_links_leave_out_the_gpu_itself_and_unsupported_queries_fall_back(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(3))
-    assert topology._nvml_reaches("1") == {"0", "2"}
+    assert topology._nvml_links("1") == {"0": "nvlink", "2": "nvlink"}
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(3, nvlink=False))
+    assert topology._nvml_links("1") == {"0": "pcie", "2": "pcie"}
     monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(3, topology=False))
-    assert topology._nvml_reaches("1") is None  # CUDA's link ranking decides instead
+    assert topology._nvml_links("1") is None  # CUDA's link ranking decides instead
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
-    assert topology._nvml_reaches("1") is None
+    assert topology._nvml_links("1") is None
 
 
 @pytest.mark.parametrize("shared_out", [True, False])
@@ -242,7 +246,7 @@ def test_each_rank_reserves_its_own_share_of_staging_memory(shared_out):
 
 
 def test_places_travel_as_json():
-    place = Place((0, 1), (2,), GpuLinks("abc", frozenset({"abc", "def"})))
+    place = Place((0, 1), (2,), GpuLinks("abc", frozenset({"abc", "def"}), frozenset({"def"})))
     assert Place.from_json(place.to_json()) == place
 
 
@@ -262,6 +266,48 @@ def test_explain_shows_the_groups_of_given_numa_nodes():
             for p in plan.packs] == [[0, 1, 2, 3]] * 4
     halves = torch_hca.explain(4, numels=[64])
     assert halves.hierarchy.basis == "halves"
+
+
+LAYOUT_CASES = [  # links, each rank's GPU, the groups, the kind of the clique (None: none)
+    ("nvswitch", list(range(8)), [list(range(8))], "nvlink"),
+    ("pcie", list(range(4)), [[0, 1, 2, 3]], "pcie"),
+    ("pcie-switches", list(range(4)), [[0, 1], [2, 3]], None),
+    ("dgx1", list(range(8)), [[0, 1, 2, 3], [4, 5, 6, 7]], None),
+    ("dgx1", [4, 0, 5, 1, 6, 2, 7, 3], [[0, 2, 4, 6], [1, 3, 5, 7]], None),
+    ("nvswitch", [0, 0, 1, 1], [[0, 1], [2, 3]], None),  # two ranks a GPU: not a GPU each
+]
+
+
+@pytest.mark.parametrize("links,gpus,groups,kind", LAYOUT_CASES)
+def test_named_link_layouts_give_their_groups(links, gpus, groups, kind):
+    """An NVSwitch node or one PCIe switch, a GPU a rank: one group (not TF's halves); the DGX-1's
+    cube mesh: its two quads (TF's hierarchy, what it was made for), however the ranks are ordered;
+    two PCIe switches: one group per switch."""
+    places = topology.layout_places([str(g) for g in gpus], links)
+    h = topology.gpu_hierarchy(places)
+    assert (h.groups, topology.clique_kind(places)) == (groups, kind), h.reason
+    assert h.basis == ("halves" if links == "nvswitch" and kind is None else "GPU link domain"), h
+
+
+def _leaders_and_steps(plan):
+    return plan.leaders(), [len(p["steps"]) for p in plan.packs]
+
+
+def test_explain_on_an_nvswitch_node_chooses_one_shot_then_two_shot_predicted():
+    """8 GPUs on NVSwitch: direct (one-shot: one step, every rank sums all) for small all-reduces,
+    a pack per rank led by its own rank in one group (two-shot: reduce a share, then copy it to all)
+    for large; the choice comes from the link model and says it is predicted."""
+    gpus = list(range(8))
+    small = torch_hca.explain(8, device="cuda", gpus=gpus, links="nvswitch", numels=[256])
+    large = torch_hca.explain(8, device="cuda", gpus=gpus, links="nvswitch", numels=[1 << 22])
+    assert (small.chosen, large.chosen) == ("direct", "pack_per_rank")
+    assert [len(step) for step in small.packs[0]["steps"]] == [8 * 7] and len(small.packs) == 1
+    assert _leaders_and_steps(large) == (list(range(8)), [2] * 8)
+    assert "(predicted, not measured)" in small.cost_model.origin and small.hierarchy.groups == [gpus]
+    dgx1 = torch_hca.explain(8, device="cuda", gpus=gpus, links="dgx1", numels=[256])
+    assert dgx1.chosen is None and _leaders_and_steps(dgx1) == ([0], [4])  # TF's: one pack over the quads
+    with pytest.raises(ValueError, match="links: expected one of nvswitch, pcie, pcie-switches, dgx1, got 'ring'"):
+        torch_hca.explain(4, device="cuda", gpus=[0, 1, 2, 3], links="ring")
 
 
 # --- every collective under each detected hierarchy, on real ranks ---------------------------------

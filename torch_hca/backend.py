@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-from . import _C, costs, topology
+from . import _C, costs, links, topology
 from .node import exchange_identities, node_identity  # noqa: F401  (node_identity: torch_hca's API)
 from .options import Options, cpu_executor, cuda_chunk_bytes, cuda_slots, cuda_staging, shm_chunk_bytes, shm_slots
 from .settings import warn_unknown_variables
@@ -104,17 +104,18 @@ def _node_group(store, rank, size, timeout_ms, options):
                                                                    timeout_ms)]
     cpus = len(set().union(*cpus_of_ranks))
 
-    def make(store, options, cpu_tables=None, cuda_tables=None):
+    def make(store, options, cpu_tables=None, cuda_tables=None, cuda_per_rank=None):
         return _C.ProcessGroupHCA(store=store, rank=rank, size=size, timeout_ms=timeout_ms,
                                   options=options.plan_options(cpu.groups), cuda_groups=cuda.groups,
                                   cpu_tables=cpu_tables or {}, cpus_of_ranks=cpus_of_ranks,
                                   cuda_tables_sharing_one_gpu=cuda_tables or {},
+                                  cuda_tables_gpu_per_rank=cuda_per_rank or {},
                                   shm_slot_bytes=shm_chunk_bytes(), shm_slots=shm_slots(),
                                   cuda_slot_bytes=cuda_chunk_bytes(), cuda_slots=cuda_slots(),
                                   cuda_host_staging=cuda_staging() == "host", cpu_executor=cpu_executor())
 
     names = costs.candidates(options.algorithm, options.num_packs)
-    cpu_tables, cuda_tables = {}, {}
+    cpu_tables, cuda_tables, cuda_per_rank = {}, {}, {}
     if names:
         model = costs.for_group(
             rank, size, cpus, cpu.groups,
@@ -128,10 +129,22 @@ def _node_group(store, rank, size, timeout_ms, options):
         if model:
             cpu_tables = {key: (costs.plan_choices(m, names), json.dumps(m.to_json()))
                           for key, m in costs.by_world(model, size, cpus).items()}
-        cuda_tables = {world: costs.plan_choices(costs.sharing_one_gpu(world), names) for world in range(2, size + 1)}
-    group = make(store, options, cpu_tables, cuda_tables)
+        cuda_tables = {world: _table(costs.sharing_one_gpu(world), names) for world in range(2, size + 1)}
+        # Where each rank has a GPU of its own and all are peers, the link model's, for this group and
+        # any child (a child of a clique is a clique of the same links).
+        kind = places and topology.clique_kind(places)
+        if kind:
+            slot_bytes = _C.cuda_slot_bytes(cuda_chunk_bytes(), [str(r) for r in range(size)])
+            cuda_per_rank = {world: _table(links.clique_cost_model(kind, world, slot_bytes), names)
+                             for world in range(2, size + 1)}
+    group = make(store, options, cpu_tables, cuda_tables, cuda_per_rank)
     group.hierarchy = topology.describe(cpu, cuda, places)
     return group
+
+
+def _table(model, names):
+    """A choice table as the C++ group takes it: the model's choice over `names`, and the model."""
+    return costs.plan_choices(model, names), json.dumps(model.to_json())
 
 
 def _across_nodes(dist_backend_opts, store, options, identities, networks, timeout_ms):

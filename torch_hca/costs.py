@@ -14,8 +14,9 @@ The lines of CPU tensors are fitted to measured times, from, in this order:
 - else the table shipped with the package, measured on a 2-vCPU VM.
 CUDA tensors get a table of their own where the group's first collective on them finds every rank's
 tensors on one and the same GPU: there each step of a call costs about a switch between the
-processes that share the GPU, so the plans with fewer steps win. Elsewhere (a GPU per rank, never
-measured) CUDA tensors keep one pack, TF's default.
+processes that share the GPU, so the plans with fewer steps win. Where each rank has a GPU of its
+own and every GPU reaches every other, the lines come from a model of the links (links.py:
+predicted, never measured); elsewhere CUDA tensors keep one pack, TF's default.
 Rank 0 chooses the lines and every rank uses rank 0's, so that all make the same choice for every
 call (ranks that chose differently would run different plans). The cache is a JSON file per
 machine and world shape under TORCH_HCA_CACHE_DIR (default ~/.cache/torch_hca); delete it to go

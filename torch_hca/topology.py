@@ -14,10 +14,10 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from . import _C
-from .costs import CostModel, sharing_one_gpu
+from .costs import CostModel
 
 CPU_LEVELS = ("CPU package", "NUMA node")  # coarsest first: the first that splits the ranks wins
 GPU_LEVELS = ("GPU link domain",)
@@ -37,11 +37,12 @@ class Machine:
 
 @dataclasses.dataclass(frozen=True)
 class GpuLinks:
-    """A GPU by its UUID, and the GPUs (UUIDs, itself included) it reaches by NVLink or
-    through a common PCIe switch."""
+    """A GPU by its UUID, the GPUs (UUIDs, itself included) it reaches by NVLink or through a
+    common PCIe switch, and those of them it reaches by NVLink (known from NVML only)."""
 
     uuid: str
     reaches: FrozenSet[str]
+    nvlink: FrozenSet[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +54,15 @@ class Place:
     gpu: Optional[GpuLinks] = None
 
     def to_json(self) -> str:
-        gpu = None if self.gpu is None else {"uuid": self.gpu.uuid, "reaches": sorted(self.gpu.reaches)}
+        gpu = None if self.gpu is None else {"uuid": self.gpu.uuid, "reaches": sorted(self.gpu.reaches),
+                                             "nvlink": sorted(self.gpu.nvlink)}
         return json.dumps({"packages": list(self.packages), "numa_nodes": list(self.numa_nodes), "gpu": gpu})
 
     @classmethod
     def from_json(cls, text: str) -> "Place":
         d = json.loads(text)
-        gpu = None if d["gpu"] is None else GpuLinks(d["gpu"]["uuid"], frozenset(d["gpu"]["reaches"]))
+        gpu = None if d["gpu"] is None else GpuLinks(d["gpu"]["uuid"], frozenset(d["gpu"]["reaches"]),
+                                                     frozenset(d["gpu"]["nvlink"]))
         return cls(tuple(d["packages"]), tuple(d["numa_nodes"]), gpu)
 
     def __str__(self) -> str:
@@ -102,7 +105,13 @@ def cpu_hierarchy(places: Sequence[Place]) -> Hierarchy:
 
 
 def gpu_hierarchy(places: Sequence[Place]) -> Hierarchy:
-    """Ranks grouped by cliques of GPUs that reach each other by NVLink or a PCIe switch."""
+    """Ranks grouped by cliques of GPUs that reach each other by NVLink or a PCIe switch; one group
+    where every rank has a GPU of its own and all of them form one clique (an NVSwitch node, one
+    PCIe switch): every GPU reaches every other at once, so TF's halves would only add steps."""
+    kind = clique_kind(places)
+    if kind is not None:
+        return Hierarchy([list(range(len(places)))], GPU_LEVELS[0],
+                         f"every rank has a GPU of its own, and each reaches every other's over {kind}: one group")
     gpus = list(dict.fromkeys(p.gpu.uuid for p in places if p.gpu is not None))
     reaches: Dict[str, set] = {g: set() for g in gpus}
     for p in places:
@@ -111,6 +120,43 @@ def gpu_hierarchy(places: Sequence[Place]) -> Hierarchy:
     linked = [[a == b or (b in reaches[a] and a in reaches[b]) for b in gpus] for a in gpus]
     clique = dict(zip(gpus, _C.link_cliques(linked)))
     return _hierarchy([[[clique[p.gpu.uuid]] if p.gpu is not None else []] for p in places], GPU_LEVELS)
+
+
+def clique_kind(places: Sequence[Place]) -> Optional[str]:
+    """ "nvlink" or "pcie" where at least two ranks each report a GPU of their own and every GPU reaches
+    every other (both ends say so), by NVLink between every pair or else (some pair by PCIe, or the
+    kind unknown without NVML) "pcie"; None otherwise."""
+    if len(places) < 2 or any(p.gpu is None for p in places) or len({p.gpu.uuid for p in places}) < len(places):
+        return None
+    gpus = [p.gpu for p in places]
+    if not all(b.uuid in a.reaches for a in gpus for b in gpus):
+        return None
+    return "nvlink" if all(b.uuid in a.nvlink for a in gpus for b in gpus if a is not b) else "pcie"
+
+
+# Link layouts a user can name to see a plan without the machine (`explain(links=...)`): each GPU's
+# GPUs by position among the distinct ones, (reached, over NVLink), as NVML would report them.
+LINK_LAYOUTS: Dict[str, Callable[[int, int, int], Tuple[bool, bool]]] = {
+    "nvswitch": lambda a, b, n: (True, True),  # every GPU on one NVSwitch fabric
+    "pcie": lambda a, b, n: (True, False),  # every GPU under one PCIe switch, with P2P
+    "pcie-switches": lambda a, b, n: ((a < n // 2) == (b < n // 2), False),  # two switches, no P2P across
+    "dgx1": lambda a, b, n: ((a // 4 == b // 4 or abs(a - b) == 4),) * 2,  # DGX-1's NVLink hybrid cube mesh
+}
+
+
+def layout_places(gpus: Sequence[str], links: str) -> List[Place]:
+    """The places of ranks on `gpus` (each rank's GPU, as text) in the link layout named `links`
+    (LINK_LAYOUTS), the GPUs in the order of their numbers: what those ranks would report."""
+    if links not in LINK_LAYOUTS:
+        raise ValueError(f"links: expected one of {', '.join(LINK_LAYOUTS)}, got {links!r}")
+    distinct = sorted(set(gpus), key=lambda g: (0, int(g), "") if g.isdigit() else (1, 0, g))  # GPU 0 first
+    if links == "dgx1" and len(distinct) != 8:
+        raise ValueError(f"links='dgx1': a DGX-1 has 8 GPUs, the ranks name {len(distinct)}")
+    n = len(distinct)
+    pairs = {(a, b): LINK_LAYOUTS[links](i, j, n) if a != b else (True, False)
+             for i, a in enumerate(distinct) for j, b in enumerate(distinct)}
+    return [Place(gpu=GpuLinks(g, frozenset(b for b in distinct if pairs[g, b][0]),
+                               frozenset(b for b in distinct if pairs[g, b][1]))) for g in gpus]
 
 
 def resolve(groups, store=None, rank=0, size=1, timeout_ms=0, places: Optional[Sequence[Place]] = None):
@@ -152,14 +198,15 @@ def _gpu_links() -> Optional[GpuLinks]:
     def uuid_of(d):
         return _bare_uuid(torch.cuda.get_device_properties(d).uuid)
 
-    reaches = _nvml_reaches(uuid_of(device))
-    if reaches is None:  # NVML cannot tell: CUDA's ranking of the links among the GPUs this process sees
+    links = _nvml_links(uuid_of(device))
+    if links is None:  # NVML cannot tell: CUDA's ranking of the links among the GPUs this process sees
         if not _C.has_cuda:
             return None
         count = torch.cuda.device_count()
         ranks = {(a, b): _C.peer_performance_rank(a, b) for a in range(count) for b in range(count) if a != b}
-        reaches = {uuid_of(d) for d in fastest_peers(device, ranks)}
-    return GpuLinks(uuid_of(device), frozenset(reaches | {uuid_of(device)}))
+        links = {uuid_of(d): "unknown" for d in fastest_peers(device, ranks)}
+    return GpuLinks(uuid_of(device), frozenset(links.keys() | {uuid_of(device)}),
+                    frozenset(g for g, kind in links.items() if kind == "nvlink"))
 
 
 def fastest_peers(device: int, ranks: Dict[tuple, Optional[int]]) -> set:
@@ -173,9 +220,10 @@ def fastest_peers(device: int, ranks: Dict[tuple, Optional[int]]) -> set:
     return {b for (a, b), r in ranks.items() if a == device and r == best and ranks.get((b, a)) == best}
 
 
-def _nvml_reaches(uuid: str) -> Optional[set]:
-    """The other GPUs NVML sees linked to `uuid` by NVLink or under a common PCIe switch; None
-    where NVML cannot tell (no binding, or a query it does not support, as in a virtual machine)."""
+def _nvml_links(uuid: str) -> Optional[Dict[str, str]]:
+    """The other GPUs NVML sees linked to `uuid`, each with how: "nvlink", or "pcie" under a common
+    PCIe switch; None where NVML cannot tell (no binding, or a query it does not support, as in a
+    virtual machine)."""
     try:
         import pynvml
     except ImportError:
@@ -188,9 +236,15 @@ def _nvml_reaches(uuid: str) -> Optional[set]:
         handles = {_bare_uuid(pynvml.nvmlDeviceGetUUID(h)): h
                    for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))}
         mine = handles[uuid]
-        return {other for other, h in handles.items() if other != uuid and (
-            pynvml.nvmlDeviceGetP2PStatus(mine, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK
-            or pynvml.nvmlDeviceGetTopologyCommonAncestor(mine, h) <= pynvml.NVML_TOPOLOGY_MULTIPLE)}
+        links = {}
+        for other, h in handles.items():
+            if other == uuid:
+                continue
+            if pynvml.nvmlDeviceGetP2PStatus(mine, h, pynvml.NVML_P2P_CAPS_INDEX_NVLINK) == pynvml.NVML_P2P_STATUS_OK:
+                links[other] = "nvlink"
+            elif pynvml.nvmlDeviceGetTopologyCommonAncestor(mine, h) <= pynvml.NVML_TOPOLOGY_MULTIPLE:
+                links[other] = "pcie"
+        return links
     except (pynvml.NVMLError, KeyError):
         return None
     finally:
@@ -256,6 +310,5 @@ def hierarchy(group=None) -> Dict[str, object]:
 
 
 def _cost_models(backend) -> Dict[str, Optional[CostModel]]:
-    cpu = json.loads(backend.cpu_cost_model)
-    return {"cpu": CostModel.from_json(cpu) if cpu else None,
-            "cuda": sharing_one_gpu(backend.size()) if backend.by_size(cuda=True) else None}
+    models = {"cpu": json.loads(backend.cpu_cost_model), "cuda": json.loads(backend.cuda_cost_model)}
+    return {device: CostModel.from_json(model) if model else None for device, model in models.items()}

@@ -219,7 +219,8 @@ PYBIND11_MODULE(_C, m) {
                        const Groups& cuda_groups,
                        const std::map<std::pair<int, bool>, std::pair<ChoiceRows, std::string>>& cpu_tables,
                        const std::vector<std::vector<int>>& cpus_of_ranks,
-                       const std::map<int, ChoiceRows>& cuda_tables_sharing_one_gpu) {
+                       const std::map<int, std::pair<ChoiceRows, std::string>>& cuda_tables_sharing_one_gpu,
+                       const std::map<int, std::pair<ChoiceRows, std::string>>& cuda_tables_gpu_per_rank) {
              CpuExecutor cpu = CpuExecutor::SharedMemory;
              if (cpu_executor == "streams") {
                cpu = CpuExecutor::HostStreams;
@@ -232,8 +233,11 @@ PYBIND11_MODULE(_C, m) {
                tables.cpu[key] = {size_choices(table.first), table.second};
              }
              tables.cpus_of_ranks = cpus_of_ranks;
-             for (const auto& [world, rows] : cuda_tables_sharing_one_gpu) {
-               tables.cuda_sharing_one_gpu[world] = size_choices(rows);
+             for (const auto& [world, table] : cuda_tables_sharing_one_gpu) {
+               tables.cuda_sharing_one_gpu[world] = {size_choices(table.first), table.second};
+             }
+             for (const auto& [world, table] : cuda_tables_gpu_per_rank) {
+               tables.cuda_gpu_per_rank[world] = {size_choices(table.first), table.second};
              }
              return GilFreeDestroy(c10::make_intrusive<ProcessGroupHCA>(
                  store, rank, size, std::chrono::milliseconds(timeout_ms), options, shm_slot_bytes, shm_slots,
@@ -245,7 +249,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("cuda_host_staging") = false, py::arg("cpu_executor") = "shm", py::arg("cuda_groups") = Groups{},
            py::arg("cpu_tables") = std::map<std::pair<int, bool>, std::pair<ChoiceRows, std::string>>{},
            py::arg("cpus_of_ranks") = std::vector<std::vector<int>>{},
-           py::arg("cuda_tables_sharing_one_gpu") = std::map<int, ChoiceRows>{},
+           py::arg("cuda_tables_sharing_one_gpu") = std::map<int, std::pair<ChoiceRows, std::string>>{},
+           py::arg("cuda_tables_gpu_per_rank") = std::map<int, std::pair<ChoiceRows, std::string>>{},
            py::call_guard<py::gil_scoped_release>())
       .def_static("self_test_wanted", &ProcessGroupHCA::self_test_wanted)
       // torch's Options (name, timeout), which Python cannot copy: torch_hca.backend wraps it as `options`.
@@ -257,6 +262,7 @@ PYBIND11_MODULE(_C, m) {
                              })
       .def_property("hierarchy", &ProcessGroupHCA::hierarchy, &ProcessGroupHCA::set_hierarchy)
       .def_property_readonly("cpu_cost_model", &ProcessGroupHCA::cpu_cost_model)
+      .def_property_readonly("cuda_cost_model", &ProcessGroupHCA::cuda_cost_model)
       .def("groups", &ProcessGroupHCA::groups, py::arg("cuda"))
       .def(
           "by_size",

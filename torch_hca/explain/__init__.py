@@ -4,6 +4,7 @@
     python -m torch_hca.explain 4 --nodes a,a,b,b --num-packs 2
     python -m torch_hca.explain 4 --numa-nodes "0;1;0;1" --here
     python -m torch_hca.explain 4 --device cuda --gpus 0,0,0,0 --numels 262144
+    python -m torch_hca.explain 8 --device cuda --gpus 0,1,2,3,4,5,6,7 --links nvswitch --numels 16777216
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import os
 from typing import Dict, List, Optional, Sequence, Union
 
-from .. import _C, costs, topology
+from .. import _C, costs, links as link_model, topology
 from ..options import Options, cuda_chunk_bytes, shm_chunk_bytes
 
 
@@ -90,6 +91,7 @@ def explain(
     group=None,
     device: str = "cpu",
     gpus: Optional[Sequence] = None,
+    links: Optional[str] = None,
 ):
     """The schedule `hca` runs for `collective` over float32 tensors of `numels` elements:
     who reduces or copies which elements into whom, step by step, each rank's role, and the
@@ -106,7 +108,11 @@ def explain(
     running group's; for CUDA tensors, a running group's (chosen per call once its first
     collective on CUDA tensors found every rank's on one GPU, else one pack), or, without one, that
     of ranks whose tensors are on `gpus` (each rank's GPU, e.g. [0, 0, 0, 0]; where all are one,
-    the table of ranks sharing a GPU and its 64 MiB slots; else, or not given, one pack and 8 MiB). With `group` (a running hca process group), for its ranks: its size,
+    the table of ranks sharing a GPU and its 64 MiB slots; else, or not given, one pack and 8 MiB). With
+    `links` (one of topology.LINK_LAYOUTS: "nvswitch", "pcie", "pcie-switches", "dgx1") as well, the
+    ranks on `gpus` as if linked so: the groups they would find (groups="auto"), and where each has
+    a GPU of its own and all are peers, the link model's choice (links.py: predicted, not measured).
+    With `group` (a running hca process group), for its ranks: its size,
     the hierarchy it found for `device`'s tensors (where groups="auto"), and where it stages them
     (for CUDA: GPU memory by CUDA IPC, or host shared memory; set up at its first collective on
     `device`); the options are still the arguments'. Prints it if verbose."""
@@ -129,10 +135,14 @@ def explain(
         raise ValueError("explain: give world_size, or a running group")
     if gpus is not None and len(gpus) != world_size:
         raise ValueError(f"gpus: {len(gpus)} GPUs for a world of {world_size} ranks")
+    if links is not None and gpus is None:
+        raise ValueError("links: name each rank's GPU too (gpus=)")
     gpus = [str(g) for g in gpus or ()]  # as the C++ rule compares them; none given: one GPU per rank
+    places = topology.layout_places(gpus, links) if links is not None else None
     options = Options(algorithm, num_packs, reduce_to_device, groups, agg_small_grads_max_bytes,
                       agg_small_grads_max_group, inter_node_backend)
-    hierarchy = found or _hierarchy(options.groups, world_size, numa_nodes, packages)
+    hierarchy = found or (topology.gpu_hierarchy(places) if places and options.groups == "auto"
+                          else _hierarchy(options.groups, world_size, numa_nodes, packages))
     numels = [int(n) for n in numels]
     identities = None if nodes is None else [str(n) for n in nodes]
     if identities is not None and len(identities) != world_size:
@@ -148,7 +158,7 @@ def explain(
         plan = Plan(list(packs), text)
     else:
         names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
-        model = _cost_model(running, device, world_size, cpus, hierarchy.groups, gpus) if names else None
+        model = _cost_model(running, device, world_size, cpus, hierarchy.groups, gpus, places) if names else None
         packs, text, roles, rounds = _C.plan(collective, world_size, numels,
                                              options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
                                                                   if model else ()),
@@ -167,15 +177,19 @@ def explain(
     return plan
 
 
-def _cost_model(running, device, world_size, cpus, groups, gpus) -> Optional[costs.CostModel]:
+def _cost_model(running, device, world_size, cpus, groups, gpus, places) -> Optional[costs.CostModel]:
     """A running group's model of `device`'s tensors; else, for CPU tensors, the one a group of
     these ranks would get here, as rank 0 reads it (this machine's cached calibration, else the
     shipped table); for CUDA tensors, the table of ranks sharing one GPU where `gpus` names one,
-    else None (one pack)."""
+    the link model where `places` (ranks on a GPU each) form one clique, else None (one pack)."""
     if running is not None and (running["cost_model"][device] or device == "cuda"):
         return running["cost_model"][device]
     if device == "cuda":
-        return costs.sharing_one_gpu(world_size) if _C.share_one_device(gpus) else None
+        if _C.share_one_device(gpus):
+            return costs.sharing_one_gpu(world_size)
+        kind = places and topology.clique_kind(places)
+        return link_model.clique_cost_model(kind, world_size, _C.cuda_slot_bytes(cuda_chunk_bytes(), gpus)) \
+            if kind else None
     cpus = len(os.sched_getaffinity(0)) if cpus is None else cpus
     return costs.cached_or_shipped(costs.cache_path(world_size, cpus, groups), world_size, cpus)
 

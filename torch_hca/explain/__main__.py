@@ -37,6 +37,8 @@ def main(argv=None):
                         help='each rank\'s CPU packages, e.g. "0;0;1;1" (groups="auto")')
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpus", help='each rank\'s GPU, e.g. "0,0,0,0" (--device cuda)')
+    parser.add_argument("--links", choices=list(topology.LINK_LAYOUTS),
+                        help="how the GPUs of --gpus are linked, as if on such a machine (--device cuda)")
     parser.add_argument("--here", action="store_true", help="print where this process runs (what it would report)")
     args = parser.parse_args(argv)
     if args.here:
@@ -45,7 +47,8 @@ def main(argv=None):
         explain(args.world_size, args.algorithm, args.num_packs, args.groups, args.reduce_to_device, args.numels,
                 args.collective, args.root, verbose=True, slot_bytes=args.slot_bytes,
                 nodes=args.nodes.split(",") if args.nodes else None, numa_nodes=args.numa_nodes,
-                packages=args.packages, device=args.device, gpus=args.gpus.split(",") if args.gpus else None)
+                packages=args.packages, device=args.device, gpus=args.gpus.split(",") if args.gpus else None,
+                links=args.links)
     except ValueError as e:  # what the options and the plan refuse, as the usage line's errors
         parser.error(str(e))
 

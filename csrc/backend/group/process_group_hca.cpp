@@ -46,7 +46,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
     TORCH_CHECK_VALUE(tables_.cpus_of_ranks.size() == static_cast<size_t>(size), "hca: CPU tables need the CPUs of each of ",
                       size, " ranks, got ", tables_.cpus_of_ranks.size());
     const auto own = tables_.cpu.find({size, fewer_cpus_than_ranks(tables_.cpus_of_ranks)});
-    const CpuTable table = own == tables_.cpu.end() ? CpuTable{{}, "null"} : own->second;
+    const ChoiceTable table = own == tables_.cpu.end() ? ChoiceTable{{}, "null"} : own->second;
     options_.by_size = table.by_size;
     cpu_cost_model_ = table.cost_model;
   }
@@ -57,11 +57,13 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
   try {
     validate(options_, size);
     validate(cuda_options_, size);
-    const auto table = tables_.cuda_sharing_one_gpu.find(size);
-    if (table != tables_.cuda_sharing_one_gpu.end()) {  // refused now, not at the first CUDA collective
-      PlanOptions sharing = cuda_options_;
-      sharing.by_size = table->second;
-      validate(sharing, size);
+    for (const auto* tables : {&tables_.cuda_sharing_one_gpu, &tables_.cuda_gpu_per_rank}) {
+      const auto table = tables->find(size);
+      if (table != tables->end()) {  // refused now, not at the first CUDA collective
+        PlanOptions chosen = cuda_options_;
+        chosen.by_size = table->second.by_size;
+        validate(chosen, size);
+      }
     }
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
@@ -232,8 +234,13 @@ void ProcessGroupHCA::settle_cuda_choice(const std::function<std::string()>& gpu
 }
 
 void ProcessGroupHCA::ask_where_cuda_tensors_are(const std::string& gpu) {
-  const auto table = tables_.cuda_sharing_one_gpu.find(getSize());
-  if (table == tables_.cuda_sharing_one_gpu.end()) return;  // alike on every rank: the same options and size
+  const auto own_size = [&](const std::map<int, ChoiceTable>& tables) {
+    const auto table = tables.find(getSize());
+    return table == tables.end() ? nullptr : &table->second;
+  };
+  const ChoiceTable* sharing = own_size(tables_.cuda_sharing_one_gpu);
+  const ChoiceTable* per_rank = own_size(tables_.cuda_gpu_per_rank);
+  if (!sharing && !per_rank) return;  // alike on every rank: the same options and size
   const auto call = life_.try_enter();
   if (!call) return;  // the group ended: the collective that asked says so
   const std::string topic = "cuda_tensors_gpu";
@@ -268,10 +275,17 @@ void ProcessGroupHCA::ask_where_cuda_tensors_are(const std::string& gpu) {
     fail(failure ? failure->kind() : FailureKind::Timeout, message);  // peers waiting on this rank learn why
     C10_THROW_ERROR(DistBackendError, message);
   }
-  if (share_one_device(gpus)) {
+  const ChoiceTable* table = share_one_device(gpus) ? sharing : each_on_its_own(gpus) ? per_rank : nullptr;
+  if (table) {
     std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
-    cuda_options_.by_size = table->second;
+    cuda_options_.by_size = table->by_size;
+    cuda_cost_model_ = table->cost_model;
   }
+}
+
+std::string ProcessGroupHCA::cuda_cost_model() const {
+  std::lock_guard<std::mutex> lock(cuda_choice_mutex_);
+  return cuda_cost_model_;
 }
 
 std::vector<SizeChoice> ProcessGroupHCA::by_size(bool cuda) const {

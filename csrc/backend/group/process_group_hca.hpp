@@ -34,9 +34,9 @@ enum class CpuExecutor { SharedMemory, HostStreams };
 
 class ProcessGroupHCA : public c10d::Backend {
  public:
-  // A CPU all-reduce's choice per call, and the cost model it came from (JSON,
-  // for torch_hca.explain).
-  struct CpuTable {
+  // An all-reduce's choice per call, and the cost model it came from (JSON, for
+  // torch_hca.explain).
+  struct ChoiceTable {
     std::vector<SizeChoice> by_size;
     std::string cost_model;
   };
@@ -45,17 +45,19 @@ class ProcessGroupHCA : public c10d::Backend {
   // also by whether the ranks have fewer CPUs between them than ranks (they
   // take turns), counted from each rank's CPUs so that a child counts its own.
   struct ChoiceTables {
-    std::map<std::pair<int, bool>, CpuTable> cpu;
+    std::map<std::pair<int, bool>, ChoiceTable> cpu;
     std::vector<std::vector<int>> cpus_of_ranks;
-    std::map<int, std::vector<SizeChoice>> cuda_sharing_one_gpu;  // ranks that all share one GPU
+    std::map<int, ChoiceTable> cuda_sharing_one_gpu;  // ranks that all share one GPU
+    std::map<int, ChoiceTable> cuda_gpu_per_rank;     // a GPU per rank, every one a peer of every other
   };
   // `options` must have been validated (validate(options, size) runs again here);
   // they serve CPU tensors, their choice per call `tables.cpu`'s of this size and CPUs
   // where it has tables (else the options' own). CUDA tensors follow them but
   // for their groups, `cuda_groups` (empty: the same), and their choice per
   // call: none (the options' algorithm and packing) until the group's first
-  // CUDA collective finds every rank's tensors on one GPU (settle_cuda_choice);
-  // then `tables.cuda_sharing_one_gpu`'s of this size.
+  // CUDA collective asks which GPU each rank's tensors are on (settle_cuda_choice);
+  // then `tables.cuda_sharing_one_gpu`'s of this size where all are on one GPU,
+  // `tables.cuda_gpu_per_rank`'s where each is on a GPU of its own.
   ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                   std::chrono::milliseconds timeout, PlanOptions options, size_t shm_slot_bytes, int shm_slots,
                   cuda::CudaConfig cuda_config, CpuExecutor cpu_executor = CpuExecutor::SharedMemory,
@@ -95,6 +97,7 @@ class ProcessGroupHCA : public c10d::Backend {
   // The cost model that chose its CPU tensors' packs per call, for `torch_hca.explain`
   // (JSON, "null" for none). CUDA's follows from by_size(true).
   const std::string& cpu_cost_model() const { return cpu_cost_model_; }
+  std::string cuda_cost_model() const;
   // Where CPU or CUDA tensors are staged, in words; empty before the first
   // collective that sets it up, in a build without CUDA, and once the group ended.
   std::string staging(bool cuda);
@@ -270,6 +273,7 @@ class ProcessGroupHCA : public c10d::Backend {
   mutable std::mutex cuda_choice_mutex_;  // cuda_options_.by_size, set by settle_cuda_choice
   std::string hierarchy_;
   std::string cpu_cost_model_ = "null";
+  std::string cuda_cost_model_ = "null";  // the CUDA table's, once settled; under cuda_choice_mutex_
   std::atomic<std::chrono::milliseconds> timeout_;  // setTimeout may change it
   cuda::CudaConfig cuda_config_;
   size_t shm_slot_bytes_;

@@ -25,6 +25,12 @@ bool share_one_device(const std::vector<std::string>& devices) {
          std::all_of(devices.begin(), devices.end(), [&](const std::string& d) { return d == devices.front(); });
 }
 
+bool each_on_its_own(const std::vector<std::string>& devices) {
+  std::vector<std::string> sorted = devices;
+  std::sort(sorted.begin(), sorted.end());
+  return sorted.size() >= 2 && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
 size_t ring_slot_bytes(size_t asked, const std::vector<std::string>& devices, size_t spread, size_t one_device) {
   if (asked != 0) return asked;
   return share_one_device(devices) ? one_device : spread;

@@ -41,6 +41,8 @@ StagingChoice choose_staging_place(Rendezvous& rendezvous, const std::string& to
 // Whether two or more ranks reported one and the same device (exchanged
 // reports, so the same answer on every rank): processes sharing a GPU.
 bool share_one_device(const std::vector<std::string>& devices);
+// Whether ranks that report these devices are two or more, each on a device of its own.
+bool each_on_its_own(const std::vector<std::string>& devices);
 
 // The slot size for a ring: `asked` where it is set (non-zero), else
 // `one_device` where two or more ranks reported one and the same device
