@@ -137,17 +137,20 @@ def mount_namespaces_unavailable():
     return None if done.returncode == 0 else f"cannot mount a tmpfs on /dev/shm: {(done.stderr or done.stdout).strip()}"
 
 
-def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, deadline_s=240, shm_size="512m"):
+def run_in_containers(case, shm, hostnames, args=(), env=None, timeout_s=30, deadline_s=240, shm_size="512m",
+                      env_per_rank=None):
     """Runs node_cases.<case> on len(shm) ranks of this host, as containers would: rank r sees
     the host's /dev/shm where shm[r] is None, else the tmpfs (of `shm_size`) of simulated node
-    shm[r] (ranks with one value share it), and has the hostname hostnames[r] (None: the host's)."""
+    shm[r] (ranks with one value share it), and has the hostname hostnames[r] (None: the host's);
+    `env_per_rank` adds variables rank by rank."""
     port = store_port(os.getpid() * 17)
     with NodeShm(max((n for n in shm if n is not None), default=-1) + 1, shm_size) as nodes:
         wrappers = []
         for node, hostname in zip(shm, hostnames):
             steps = ([nodes.mount(node)] if node is not None else []) + ([f"hostname {hostname}"] if hostname else [])
             wrappers.append(["unshare", "--mount", "--uts", "--", "sh", "-c", " && ".join(steps + ['exec "$@"']), "sh"])
-        envs = [dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for _ in shm]
+        envs = [dict(env or {}, **(env_per_rank[r] if env_per_rank else {}), MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)) for r in range(len(shm))]
         return run_workers(case, wrappers, envs, args, timeout_s, deadline_s)
 
 

@@ -667,6 +667,19 @@ def p2p_on_a_full_dev_shm(rank, world):
         return str(e)
 
 
+def staged_in_a_small_dev_shm(rank, world):
+    """All-reduces of 3 Mi elements (several rounds of any slot) on a model device each rank alone
+    sees, so staged in host shared memory: mismatches, and where and in what slots it staged."""
+    wrong = []
+    for case, dtype in enumerate((torch.float32, torch.bfloat16, torch.int64)):
+        inputs = [make_input(case, r, 3 << 20, dtype, "SUM") for r in range(world)]
+        t = inputs[rank].clone()
+        dist.all_reduce(t)
+        wrong.append(mismatch(f"all_reduce {dtype}", t, reduce_reference(inputs, "SUM"), world))
+    found = torch_hca.hierarchy()
+    return [w for w in wrong if w], found["staging"]["cpu"], found["staging_slot_bytes"]["cpu"]
+
+
 def layout(rank, world):
     """The backend class and the nodes it found."""
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))

@@ -128,21 +128,29 @@ def _launch(name, world, folder):
     envs = own_devices(world, exclusive=folder)
     if name == "host_asked_by_rank_0":
         envs[0]["TORCH_HCA_CUDA_STAGING"] = "host"
+    if name == "ipc_fails_on_the_last":  # every device a peer, yet the last rank's mapping fails
+        envs = [{**env, "TORCH_HCA_MODEL_IPC_FAIL": str(world - 1)} for env in envs]
     return envs
 
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("launch,staged", [("all_visible", "device memory"), ("one_visible", "host shared memory"),
                                            ("shared_and_hidden", "host shared memory"),
-                                           ("host_asked_by_rank_0", "host shared memory")])
+                                           ("host_asked_by_rank_0", "host shared memory"),
+                                           ("ipc_fails_on_the_last", "host shared memory")])
 def test_the_staging_follows_what_each_rank_sees(world, launch, staged, tmp_path):
     """Device memory (CUDA IPC on a GPU) only where every rank can map every peer's device: one
-    rank that cannot, or that asks for host memory, makes every rank stage in host shared memory.
-    The model faults a stream that touches the device memory of a device its process does not
-    see, so a wrong choice fails here. explain names the place for a running group."""
+    rank that cannot, or that asks for host memory, makes every rank stage in host shared memory;
+    so does one whose mapping fails although the devices are peers (a container without the
+    right namespaces), and every rank says which and why. The model faults a stream that touches
+    the device memory of a device its process does not see, so a wrong choice fails here.
+    explain names the place for a running group."""
     for rank, (wrong, before, after, slot_bytes, line, contexts) in enumerate(
             run_ranks(_staged_where, world, env_per_rank=_launch(launch, world, str(tmp_path)))):
         assert wrong == [] and before == [None, None] and after.startswith(staged), (rank, wrong, before, after)
+        if launch == "ipc_fails_on_the_last":
+            assert (f"(the CPU model's; rank {world - 1} could not map the staging of rank 0 by CUDA IPC (injected by "
+                    "TORCH_HCA_MODEL_IPC_FAIL), so every rank stages in host memory)") in after, after
         assert after.endswith(f"; {shm_slots()} slots of {shm_chunk_bytes()} bytes per rank"), after
         assert slot_bytes == shm_chunk_bytes()
         assert line == f"staging of cpu tensors: {after}", line

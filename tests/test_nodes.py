@@ -473,6 +473,37 @@ def test_a_dev_shm_too_small_for_the_staging_fails_at_init_with_the_numbers_and_
 
 
 @needs_mountns
+def test_host_staging_of_device_tensors_fits_a_64_mib_dev_shm():
+    """4 ranks, one visible model device each (host staging), asking 4 slots of 8 MiB a rank
+    (128 MiB in all) in Docker's default 64 MiB /dev/shm: the ring shrinks to what fits, the
+    same on every rank, says so in the staging's description and in a warning on rank 0's
+    stderr, and every element of every all-reduce is right."""
+    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": str(r), "TORCH_HCA_SHM_CHUNK_BYTES": str(8 << 20),
+             "TORCH_HCA_SHM_SLOTS": "4"} for r in range(4)]
+    got = run_in_containers("staged_in_a_small_dev_shm", [0] * 4, [None] * 4, shm_size="64m", env_per_rank=envs,
+                            timeout_s=60, deadline_s=300)
+    for rank, (wrong, staging, slot_bytes) in enumerate(got):
+        assert wrong == [] and staging.startswith("host shared memory"), (rank, wrong, staging)
+        assert (f"2 slots of {4 << 20} bytes a rank, not the 4 slots of {8 << 20} bytes asked: 4 ranks' rings of "
+                "those take 128.0 MiB and /dev/shm has ") in staging and "docker run --shm-size" in staging, staging
+        assert slot_bytes == 4 << 20 and staging == got[0][1], (rank, slot_bytes)
+
+
+def test_host_staging_takes_fewer_slots_then_smaller_ones_and_fails_only_where_none_fits():
+    fit = torch_hca._C._fit_host_ring
+    assert fit(8 << 20, 4, 4, 1 << 30) == (8 << 20, 4, "")
+    assert fit(8 << 20, 4, 4, 100 << 20)[:2] == (8 << 20, 3)
+    assert fit(8 << 20, 4, 4, 60 << 20)[:2] == (4 << 20, 2)
+    assert fit(8 << 20, 4, 4, 20 << 20) == (2 << 20, 2, f"2 slots of {2 << 20} bytes a rank, not the 4 slots of "
+                                         f"{8 << 20} bytes asked: 4 ranks' rings of those take 128.0 MiB and "
+                                         "/dev/shm has 20.0 MiB free (docker run --shm-size enlarges it)")
+    assert fit(5000, 16, 3, 3 * 2 * 4096)[:2] == (4096, 2)
+    with pytest.raises(RuntimeError, match=r"the host staging does not fit in /dev/shm: 3 ranks need at least 2 "
+                                           r"slots of 4096 bytes each \(0.0 MiB\), and /dev/shm has 0.0 MiB free"):
+        fit(8 << 20, 4, 3, 3 * 2 * 4096 - 1)
+
+
+@needs_mountns
 def test_a_ring_that_dev_shm_cannot_hold_fails_the_messages_with_the_numbers():
     """Rings are reserved when their pair first talks: a /dev/shm filled after init makes that
     send and its receive raise, naming the ring, /dev/shm's space and the fix; not SIGBUS."""

@@ -284,7 +284,8 @@ def hierarchy(group=None) -> Dict[str, object]:
     groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
-    GPU), "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
+    GPU or its mapping failed, and why; with fewer or smaller slots where /dev/shm is short),
+    "staging_slot_bytes": {"cpu": ..., "cuda": ...}: the bytes of a rank's staging slot, which
     cut larger packs into rounds, or None while "staging" is, "cost_model": {"cpu": ..., "cuda": ...}:
     the `torch_hca.costs.CostModel` that chooses each device's all-reduces per call, or None where
     nothing is chosen (CUDA's: None until the group's first collective on CUDA tensors found every

@@ -488,6 +488,14 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(span.head, span.unit, span.units, span.tail);
       },
       py::arg("dst"), py::arg("src"), py::arg("bytes"));
+  m.def(
+      "_fit_host_ring",
+      [](size_t slot_bytes, int slots, int world, size_t free_bytes) {
+        const FittedRing fitted = fit_ring({slot_bytes, slots}, world, free_bytes);
+        return py::make_tuple(fitted.ring.slot_bytes, fitted.ring.slots, fitted.note);
+      },
+      py::arg("slot_bytes"), py::arg("slots"), py::arg("world"), py::arg("free_bytes"),
+      "The ring host staging takes where `world` rings of the one asked do not fit in `free_bytes` of /dev/shm");
   m.def("share_one_device", &share_one_device, py::arg("devices"),
         "Whether ranks that report these devices are two or more sharing one (the rule of the CUDA table and slot)");
   m.def(

@@ -149,7 +149,21 @@ class IpcStaging final : public Staging {
     }
   }
 
-  ~IpcStaging() override { close_and_free(); }
+  ~IpcStaging() override {
+    if (own_) close_and_free();
+  }
+
+  // Why this rank could not map some peer's staging ("" where it mapped all).
+  const std::string& map_failure() const { return map_failure_; }
+  // Where some rank could not map a peer's: every rank lets go of what it
+  // mapped, and frees its own once every rank has (a barrier), before the
+  // ranks stage in host memory instead.
+  void abandon(std::chrono::milliseconds timeout) {
+    close_peers();
+    barrier(rendezvous_, world_, "hca_cuda/closed_unmapped", timeout);
+    cudaFree(own_);
+    own_ = nullptr;
+  }
 
   char* base(int rank) const override { return bases_[rank]; }
   std::string kind() const override { return "GPU memory, each rank's mapped by its peers through CUDA IPC"; }
@@ -160,10 +174,9 @@ class IpcStaging final : public Staging {
     check(cudaIpcGetMemHandle(&handle, own_), "cudaIpcGetMemHandle");
     rendezvous_.set("hca_cuda_ipc/" + std::to_string(rank_),
                     std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-    for (int peer = 0; peer < world_; ++peer) {
+    for (int peer = 0; peer < world_ && map_failure_.empty(); ++peer) {
       if (peer != rank_) open_peer(peer, timeout);
     }
-    barrier(rendezvous_, world_, "hca_cuda/opened", timeout);
   }
 
   // Freeing memory that peers still map is undefined: it is freed once every
@@ -189,8 +202,9 @@ class IpcStaging final : public Staging {
     const cudaError_t err = cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      setup_failure("rank " + std::to_string(rank_) + " could not map the staging of rank " + std::to_string(peer) +
-                    " by CUDA IPC: " + cudaGetErrorString(err));
+      map_failure_ = "could not map the staging of rank " + std::to_string(peer) + " by CUDA IPC (" +
+                     cudaGetErrorString(err) + ")";
+      return;
     }
     bases_[peer] = static_cast<char*>(mapped);
   }
@@ -200,6 +214,7 @@ class IpcStaging final : public Staging {
   int rank_, world_;
   void* own_ = nullptr;
   std::vector<char*> bases_;
+  std::string map_failure_;
 };
 
 // Every rank's ring in one POSIX shared-memory segment, which every rank maps
@@ -207,9 +222,13 @@ class IpcStaging final : public Staging {
 // peer that dies leaves the memory mapped here (unlike IPC-mapped GPU memory).
 class HostStaging final : public Staging {
  public:
-  HostStaging(Rendezvous& rendezvous, int rank, int world, RingLayout ring, std::chrono::milliseconds timeout)
-      : Staging(ring),
-        segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, ring.slot_bytes, ring.slots,
+  // `why`: why not in GPU memory; `fitted`: the ring, cut to what /dev/shm holds.
+  HostStaging(Rendezvous& rendezvous, int rank, int world, FittedRing fitted, std::string why,
+              std::chrono::milliseconds timeout)
+      : Staging(fitted.ring),
+        why_(std::move(why)),
+        cut_(std::move(fitted.note)),
+        segment_(shm::staging_segment(rendezvous, "hca_cuda_host_staging", rank, world, ring_.slot_bytes, ring_.slots,
                                       timeout)) {
     check(cudaHostRegister(segment_->data(), segment_->size(), cudaHostRegisterPortable | cudaHostRegisterMapped),
           "cudaHostRegister of the host staging");
@@ -221,11 +240,11 @@ class HostStaging final : public Staging {
 
   char* base(int rank) const override { return device_base_ + static_cast<size_t>(rank) * ring_.bytes(); }
   std::string kind() const override {
-    return "host shared memory registered with every GPU (some rank cannot map a peer's GPU memory, or "
-           "TORCH_HCA_CUDA_STAGING=host)";
+    return "host shared memory registered with every GPU (" + why_ + ")" + (cut_.empty() ? "" : "; " + cut_);
   }
 
  private:
+  std::string why_, cut_;
   std::unique_ptr<SharedSegment> segment_;
   char* device_base_ = nullptr;
 };
@@ -237,10 +256,23 @@ std::unique_ptr<Staging> open_staging(ControlBlock& control, Rendezvous& rendezv
   const StagingChoice choice = choose_place(rendezvous, rank, world, device, config, timeout);
   const size_t slot_bytes = ring_slot_bytes(config.slot_bytes, choice.devices, kSlotBytesSpread, kSlotBytesOneGpu);
   const RingLayout ring{aligned_slot_bytes(slot_bytes), config.slots};
-  if (choice.place == StagingPlace::HostMemory) {
-    return std::make_unique<HostStaging>(rendezvous, rank, world, ring, timeout);
+  std::string why = "some rank cannot map a peer's GPU memory, or TORCH_HCA_CUDA_STAGING=host";
+  if (choice.place == StagingPlace::DeviceMemory) {
+    auto mapped = std::make_unique<IpcStaging>(control, rendezvous, rank, world, ring, timeout);
+    const std::string failed = agree_mapped(rendezvous, "hca_cuda_mapped", rank, world, mapped->map_failure(), timeout);
+    if (failed.empty()) return mapped;
+    mapped->abandon(timeout);
+    why = failed + ", so every rank stages in host memory";
   }
-  return std::make_unique<IpcStaging>(control, rendezvous, rank, world, ring, timeout);
+  FittedRing fitted{ring, ""};
+  try {
+    fitted = agree_host_ring(rendezvous, "hca_cuda_host_ring", rank, world, ring, timeout);
+  } catch (const Failure&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // not one slot fits in /dev/shm
+    setup_failure(e.what());
+  }
+  return std::make_unique<HostStaging>(rendezvous, rank, world, std::move(fitted), why, timeout);
 }
 
 // The control block's pages, visible to the GPU for stream waits and writes.

@@ -185,11 +185,16 @@ class HostStreams final : public StreamDevice {
   // With `device` current.
   HostStreams(ControlBlock& control, Rendezvous& rendezvous, int device, RingLayout ring,
               std::chrono::milliseconds timeout)
-      : control_(control),
-        ring_(ring),
-        choice_(choose_place(rendezvous, control, device, timeout)),
-        staging_(shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
-                                      ring.slot_bytes, ring.slots, timeout)) {
+      : control_(control), ring_(ring), choice_(choose_place(rendezvous, control, device, timeout)) {
+    why_host_ = "some rank cannot map a peer's device memory, or TORCH_HCA_CUDA_STAGING=host";
+    if (choice_.place == StagingPlace::DeviceMemory) settle_mapping(rendezvous, timeout);
+    if (choice_.place == StagingPlace::HostMemory) {
+      FittedRing fitted = agree_host_ring(rendezvous, "model_host_ring", control.rank(), control.world(), ring, timeout);
+      ring_ = fitted.ring;
+      ring_cut_ = std::move(fitted.note);
+    }
+    staging_ = shm::staging_segment(rendezvous, "hca_stream_staging", control.rank(), control.world(),
+                                    ring_.slot_bytes, ring_.slots, timeout);
     if (const char* at = std::getenv("TORCH_HCA_MODEL_FAULT_AT")) fault_at_ = std::strtoll(at, nullptr, 10);
     if (const char* at = std::getenv("TORCH_HCA_MODEL_CORRUPT_AT")) corrupt_at_ = std::strtoll(at, nullptr, 10);
     if (const char* ms = std::getenv("TORCH_HCA_MODEL_OP_DELAY_MS")) {
@@ -210,8 +215,8 @@ class HostStreams final : public StreamDevice {
   RingLayout ring() const override { return ring_; }
   std::string staging_kind() const override {
     return choice_.place == StagingPlace::HostMemory
-               ? "host shared memory that every device maps (the CPU model's; some rank cannot map a peer's "
-                 "device memory, or TORCH_HCA_CUDA_STAGING=host)"
+               ? "host shared memory that every device maps (the CPU model's; " + why_host_ + ")" +
+                     (ring_cut_.empty() ? "" : "; " + ring_cut_)
                : "device memory, each rank's mapped by its peers (the CPU model's CUDA IPC)";
   }
   // In the pieces the CUDA copy kernels take (aligned_span.h), so that a wrong cut shows here.
@@ -278,6 +283,26 @@ class HostStreams final : public StreamDevice {
         asked && std::string(asked) == "host", timeout);
   }
 
+  // As the CUDA staging does after it tried CUDA IPC: where some rank could not
+  // map a peer's device memory (here: the ranks TORCH_HCA_MODEL_IPC_FAIL names,
+  // comma-separated, fail to map their first peer's), every rank stages in
+  // host memory, and says why.
+  void settle_mapping(Rendezvous& rendezvous, std::chrono::milliseconds timeout) {
+    const int rank = control_.rank();
+    std::string mine;
+    if (const char* failing = std::getenv("TORCH_HCA_MODEL_IPC_FAIL")) {
+      const std::string list = "," + std::string(failing) + ",";
+      if (list.find("," + std::to_string(rank) + ",") != std::string::npos) {
+        mine = "could not map the staging of rank " + std::to_string(rank == 0 ? 1 : 0) +
+               " by CUDA IPC (injected by TORCH_HCA_MODEL_IPC_FAIL)";
+      }
+    }
+    const std::string failed = agree_mapped(rendezvous, "model_mapped", rank, control_.world(), mine, timeout);
+    if (failed.empty()) return;
+    choice_.place = StagingPlace::HostMemory;
+    why_host_ = failed + ", so every rank stages in host memory";
+  }
+
   // Throws (faulting the device) if `p` lies in the staging of a peer that this
   // rank cannot map: device memory of a device it does not see, or of a peer
   // whose memory may be gone (host staging stays mapped in every process).
@@ -322,6 +347,8 @@ class HostStreams final : public StreamDevice {
   ControlBlock& control_;
   RingLayout ring_;
   StagingChoice choice_;
+  std::string why_host_;  // why the staging is in host memory, where it is
+  std::string ring_cut_;  // what /dev/shm's room cut from the ring asked ("" nothing)
   std::unique_ptr<SharedSegment> staging_;
   // By the executor's issuing thread only.
   int64_t data_ops_ = 0, reduces_ = 0;

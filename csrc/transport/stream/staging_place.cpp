@@ -1,6 +1,12 @@
 #include "staging_place.h"
 
+#include "../../plan/rounds.h"
+
+#include <sys/statvfs.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <stdexcept>
 
 namespace hca {
 
@@ -34,6 +40,77 @@ bool each_on_its_own(const std::vector<std::string>& devices) {
 size_t ring_slot_bytes(size_t asked, const std::vector<std::string>& devices, size_t spread, size_t one_device) {
   if (asked != 0) return asked;
   return share_one_device(devices) ? one_device : spread;
+}
+
+std::string agree_mapped(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
+                         const std::string& mine, std::chrono::milliseconds timeout) {
+  // A report of "" reads as missing to some stores: "+" says mapped, "-why" not.
+  const auto reports = exchange_reports(rendezvous, topic, rank, world, mine.empty() ? "+" : "-" + mine, timeout);
+  for (int r = 0; r < world; ++r) {
+    if (reports[r] != "+") return "rank " + std::to_string(r) + " " + reports[r].substr(1);
+  }
+  return "";
+}
+
+namespace {
+
+std::string mib(size_t bytes) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return text;
+}
+
+std::string ring_text(RingLayout ring) {
+  return std::to_string(ring.slots) + " slots of " + std::to_string(ring.slot_bytes) + " bytes";
+}
+
+size_t dev_shm_free_bytes() {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return SIZE_MAX;  // no /dev/shm to ask: segment creation says what fails
+  return static_cast<size_t>(fs.f_bavail) * fs.f_frsize;
+}
+
+}  // namespace
+
+FittedRing fit_ring(RingLayout asked, int world, size_t free_bytes) {
+  const size_t ranks = static_cast<size_t>(world);
+  const auto fits = [&](RingLayout ring) { return ring.bytes() <= free_bytes / ranks; };
+  RingLayout ring = asked;
+  while (!fits(ring) && ring.slots > 2) --ring.slots;
+  while (!fits(ring) && ring.slot_bytes > kLeastSlotBytes) {
+    ring.slot_bytes = std::max(kLeastSlotBytes, ring.slot_bytes / 2 / kPieceAlign * kPieceAlign);  // whole pieces
+  }
+  if (!fits(ring)) {
+    throw std::runtime_error("hca: the host staging does not fit in /dev/shm: " + std::to_string(world) +
+                             " ranks need at least 2 slots of " + std::to_string(kLeastSlotBytes) + " bytes each (" +
+                             mib(2 * kLeastSlotBytes * ranks) + "), and /dev/shm has " + mib(free_bytes) +
+                             " free; enlarge it (docker run --shm-size, a Kubernetes emptyDir of medium Memory)");
+  }
+  if (ring.slots == asked.slots && ring.slot_bytes == asked.slot_bytes) return {ring, ""};
+  return {ring, ring_text(ring) + " a rank, not the " + ring_text(asked) + " asked: " + std::to_string(world) +
+                    " ranks' rings of those take " + mib(asked.bytes() * ranks) + " and /dev/shm has " +
+                    mib(free_bytes) + " free (docker run --shm-size enlarges it)"};
+}
+
+FittedRing agree_host_ring(Rendezvous& rendezvous, const std::string& topic, int rank, int world, RingLayout asked,
+                           std::chrono::milliseconds timeout) {
+  std::string mine = "-";  // only rank 0's report counts: every rank sees one /dev/shm, at different moments
+  if (rank == 0) {
+    try {
+      const FittedRing fitted = fit_ring(asked, world, dev_shm_free_bytes());
+      mine = "+" + std::to_string(fitted.ring.slot_bytes) + " " + std::to_string(fitted.ring.slots) + " " + fitted.note;
+      if (!fitted.note.empty()) std::fprintf(stderr, "hca: warning: the host staging has %s\n", fitted.note.c_str());
+    } catch (const std::runtime_error& e) {
+      mine = std::string("!") + e.what();
+    }
+  }
+  const std::string chosen = exchange_reports(rendezvous, topic, rank, world, mine, timeout)[0];
+  if (chosen[0] == '!') throw std::runtime_error(chosen.substr(1));
+  FittedRing fitted{asked, ""};
+  size_t used = 0;
+  std::sscanf(chosen.c_str() + 1, "%zu %d %zn", &fitted.ring.slot_bytes, &fitted.ring.slots, &used);
+  fitted.note = chosen.substr(1 + used);
+  return fitted;
 }
 
 }  // namespace hca

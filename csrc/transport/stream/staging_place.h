@@ -52,4 +52,28 @@ bool each_on_its_own(const std::vector<std::string>& devices);
 // are faster. The same on every rank: the devices are the exchanged reports.
 size_t ring_slot_bytes(size_t asked, const std::vector<std::string>& devices, size_t spread, size_t one_device);
 
+// After each rank tried to map every peer's device staging (CUDA IPC), which
+// can fail where the driver said the devices are peers (a container without
+// the right namespaces): `mine` is "" where this rank mapped all, else why not.
+// Returns the first failure in rank order, "rank R <why>", the same on every
+// rank, or "" where every rank mapped every peer's: a barrier as well.
+std::string agree_mapped(Rendezvous& rendezvous, const std::string& topic, int rank, int world,
+                         const std::string& mine, std::chrono::milliseconds timeout);
+
+// Host staging sized to what /dev/shm holds (containers give it 64 MiB):
+// `world` rings of `asked` where `free_bytes` holds them, else fewer slots (down
+// to 2), else smaller slots (halved, down to kLeastSlotBytes). `note` says what
+// was cut and why ("" where nothing was). Throws std::runtime_error naming the
+// sizes where not even 2 of the smallest slots a rank fit.
+struct FittedRing {
+  RingLayout ring;
+  std::string note;
+};
+constexpr size_t kLeastSlotBytes = 4096;
+FittedRing fit_ring(RingLayout asked, int world, size_t free_bytes);
+// fit_ring of the bytes /dev/shm has free as rank 0 finds them now, the same on
+// every rank (rank 0's failure too); rank 0 writes the note to stderr.
+FittedRing agree_host_ring(Rendezvous& rendezvous, const std::string& topic, int rank, int world, RingLayout asked,
+                           std::chrono::milliseconds timeout);
+
 }  // namespace hca
