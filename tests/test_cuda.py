@@ -366,3 +366,32 @@ def test_one_visible_gpu_per_process_stages_in_host_memory():
     """The launch SLURM and Kubernetes make: each rank sees only its own GPU, as cuda:0."""
     envs = [{"CUDA_VISIBLE_DEVICES": str(r)} for r in range(2)]
     assert run_ranks(_reduced_and_broadcast, 2, env_per_rank=envs) == [[]] * 2
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8,
+                                   torch.int64])
+def test_the_sum_kernel_is_exact_at_every_alignment(dtype):
+    """The sum kernel of k = 2..9 inputs (and 130: two launches) on views that start at every element
+    offset within 16 bytes, alike or differing between the tensors (16-byte vectors only where all
+    share one offset, a scalar head and tail around them), and sizes around a vector: every element
+    as float32 (float64) summing in order, rounded once; the copy kernel likewise."""
+    k = torch_hca._C._kernels
+    per_vector = 16 // torch.tensor([], dtype=dtype).element_size()
+    # What the kernel accumulates in: float32 for half types, the dtype's own wrap-around for integers.
+    wide = torch.float64 if dtype == torch.float64 else torch.float32 if dtype.is_floating_point else torch.int64
+    for n in (1, per_vector - 1, per_vector + 1, 3 * per_vector, 100_003):
+        for offsets in ([0, 0, 0], [1, 1, 1], [per_vector - 1] * 3, [0, 1, 0], [1, 0, 2]):
+            for count in (2, 3, 9, 130):
+                bases = [torch.randint(-50, 50, (n + 16,), device="cuda").to(dtype) for _ in range(count + 1)]
+                views = [b[offsets[min(i, 2)]:offsets[min(i, 2)] + n] for i, b in enumerate(bases)]
+                out, inputs = views[0], views[1:]
+                k.sum(out, inputs)
+                acc = inputs[0].to(wide)
+                for i, t in enumerate(inputs[1:], 1):
+                    if i == 127:  # a second launch: the first one's partial result is rounded to the dtype
+                        acc = acc.to(dtype).to(wide)
+                    acc = acc + t.to(wide)
+                assert torch.equal(out, acc.to(dtype)), (n, offsets, count)
+                k.copy(out, inputs[0])
+                assert torch.equal(out, inputs[0]), (n, offsets)

@@ -65,6 +65,20 @@ def test_bench_shows_how_long_the_host_is_held_with_a_rank_late(tmp_path):
     assert all(r["host_us"] < 1000 for r in data["rows"]), [(r["size"], r["host_us"]) for r in data["rows"]]
 
 
+def test_bench_times_the_kernels_beside_torchs_and_checks_them(tmp_path):
+    """--kernels on the CPU model (the host kernels): the copy and the sums of 2 to 8 inputs, float32
+    and bfloat16, each beside torch's copy_ / add, every element checked against sums in order."""
+    out = run_tool(["torch_hca.bench", "--kernels", "--device", "model", "-b", "64K", "-e", "256K", "-f", "4",
+                    "--json", "kernels.json"], tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every element checked was right" in out.stdout and "host kernels" in out.stdout, out.stdout
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    kernels = ["copy"] + [f"sum of {k}" for k in range(2, 9)]
+    assert [(r["dtype"], r["size"], r["kernel"]) for r in data["rows"]] == [
+        (d, s, k) for d in ("float32", "bfloat16") for s in (64 << 10, 256 << 10) for k in kernels]
+    assert data["wrong"] == 0 and all(r["gbps"] > 0 and r["torch_gbps"] > 0 for r in data["rows"])
+
+
 def test_bench_under_torchrun(tmp_path):
     out = run_tool(["--nproc-per-node", "2", "-m", "torch_hca.bench", "-b", "1K", "-e", "1M", "-f", "32",
                     "-o", "all_reduce", "--num-packs", "2", "--json", "rows.json"], tmp_path,

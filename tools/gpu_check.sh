@@ -11,6 +11,8 @@
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
 #   host      the host's time per call beside ProcessGroupNCCL's: world 1, hca's all-reduce and the nccl
 #             pass-through beside stock NCCL, 8 B-64 MiB; then 2 ranks sharing the GPU, rank 1 50 ms late
+#   kernels   hca's copy and sum-of-k kernels beside torch's copy_ and add, 1 MiB-1 GiB, float32 and bf16, one
+#             process (python -m torch_hca.bench --kernels); then the GPU tests of the kernels' vector paths
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
 #             switch to) and 2, with 1, 8 (the default) and 64 MiB staging chunks (steps against bytes);
 #             PERF_WORLD_SIZES (default 1,2) names other world sizes, e.g. 3,4
@@ -23,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck check bench host perf)"; exit 2; }
+(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck check bench host kernels perf)"; exit 2; }
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
@@ -136,6 +138,14 @@ run_phase() {
       --late-rank 1:50 -n 20 --json "$OUT/host-ranks2-late.json" || rc=1
     return $rc
     ;;
+  kernels)
+    local rc=0 device
+    device=$(has_gpu && echo cuda || echo cpu)  # no GPU: the host kernels, up to 16 MiB (the script's own check)
+    bounded "$(( $(left) * 2 / 3 ))" $PYTHON -m torch_hca.bench --kernels --device "$device" -b 1M \
+      -e "$([[ $device == cuda ]] && echo 1G || echo 16M)" -f 4 --json "$OUT/kernels.json" || rc=1
+    (cd tests && bounded "$(left)" $PYTHON -m pytest -v -rs -k "kernel" test_cuda.py) || rc=1
+    return $rc
+    ;;
   perf)
     local chunk rc=0 runs=3
     for chunk in 1 8 64; do
@@ -147,7 +157,7 @@ run_phase() {
     return $rc
     ;;
   *)
-    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench host perf)"
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench host kernels perf)"
     return 2
     ;;
   esac

@@ -2,6 +2,7 @@
 
     python -m torch_hca.bench                          # 2 ranks of its own, all_reduce, 8 B .. 64 MiB
     python -m torch_hca.bench -b 8 -e 256M -f 2 -o all_gather -d bfloat16 --compare gloo
+    python -m torch_hca.bench --kernels                # hca's copy and sum kernels beside torch's (kernel_bench.py)
     torchrun --nproc-per-node 4 -m torch_hca.bench -o reduce_scatter --compare nccl,gloo
 
 Columns, as nccl-tests prints them:
@@ -388,8 +389,10 @@ def run(args):
 def parser():
     p = argparse.ArgumentParser(prog="python -m torch_hca.bench", description=__doc__.splitlines()[0],
                                 epilog=__doc__.split("\n\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-b", "--minbytes", type=size_arg, default="8", help="smallest size (bytes; K, M, G suffixes)")
-    p.add_argument("-e", "--maxbytes", type=size_arg, default="64M", help="largest size")
+    p.add_argument("-b", "--minbytes", type=size_arg, help="smallest size (bytes; K, M, G suffixes; default 8, "
+                   "with --kernels 1M)")
+    p.add_argument("-e", "--maxbytes", type=size_arg, help="largest size (default 64M; with --kernels 1G on a GPU, "
+                   "16M on CPU)")
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier between points (2 or more)")
     p.add_argument("-o", "--op", default="all_reduce", choices=OPS)
     p.add_argument("-d", "--datatype", default="float", choices=sorted(DTYPES))
@@ -407,11 +410,34 @@ def parser():
     p.add_argument("--algorithm", help="hca's algorithm (default: TORCH_HCA_ALGORITHM, else hca's default)")
     p.add_argument("--num-packs", type=int, help="hca's num_packs")
     p.add_argument("--json", default="torch_hca_bench.json", help="where the rows go (rank 0 writes it)")
+    p.add_argument("--kernels", action="store_true",
+                   help="time hca's copy and sum kernels beside torch's copy_ and add, in this process, float32 and "
+                        "bfloat16 (-b, -e, -f, --device and --json apply)")
     return p
+
+
+def kernels(args):
+    """--kernels: the sweep of the data kernels on this process's device."""
+    from . import kernel_bench
+
+    dev = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                       else "cpu")
+    smallest = 1 << 20 if args.minbytes is None else args.minbytes
+    largest = args.maxbytes if args.maxbytes is not None else (1 << 30 if dev.type == "cuda" else 16 << 20)
+    try:
+        sizes = size_sweep(smallest, largest, args.stepfactor)
+    except ValueError as e:
+        raise SystemExit(f"-b, -e, -f: {e}") from None
+    args.json = os.path.abspath(args.json)
+    return 1 if kernel_bench.run(args, sizes, dev) else 0
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.kernels:
+        return kernels(args)
+    args.minbytes = 8 if args.minbytes is None else args.minbytes
+    args.maxbytes = 64 << 20 if args.maxbytes is None else args.maxbytes
     unknown = [b for b in args.compare.split(",") if b and b not in STOCK]
     if unknown:
         raise SystemExit(f"--compare: unknown backend {unknown[0]!r} (expected some of {', '.join(STOCK)})")

@@ -22,6 +22,7 @@
 #include "engines/node_backend.hpp"
 #include "engines/passthrough_backend.hpp"
 #include "group/process_group_hca.hpp"
+#include "ops/device_kernels.hpp"
 #ifdef HCA_WITH_CUDA
 #include "../transport/cuda/peer_links.h"
 #endif
@@ -488,6 +489,10 @@ PYBIND11_MODULE(_C, m) {
         return py::make_tuple(span.head, span.unit, span.units, span.tail);
       },
       py::arg("dst"), py::arg("src"), py::arg("bytes"));
+  auto kernels = m.def_submodule("_kernels", "The kernels of the data operations, alone (torch_hca.bench --kernels)");
+  kernels.def("sum", &kernel_sum, py::arg("out"), py::arg("inputs"), py::call_guard<py::gil_scoped_release>(),
+              "out = inputs[0] + inputs[1] + ...: CUDA tensors on the current stream, CPU tensors at once");
+  kernels.def("copy", &kernel_copy, py::arg("dst"), py::arg("src"), py::call_guard<py::gil_scoped_release>());
   m.def(
       "_fit_host_ring",
       [](size_t slot_bytes, int slots, int world, size_t free_bytes) {

@@ -3,7 +3,9 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <type_traits>
 
@@ -21,18 +23,16 @@ namespace {
 constexpr int kMaxSources = 127;
 constexpr int kThreads = 512;
 
-// Read once per block, by one thread, at system scope: the host writes them.
+// Whether any rank of the group failed, as the block starts: its threads read
+// the words side by side at system scope (the host writes them), so a block
+// waits one read across the bus, not one per rank.
 __device__ bool released_now(ReleaseWords released) {
-  __shared__ uint32_t value;
-  if (threadIdx.x == 0) {
-    value = 0;
-    for (int r = 0; r < released.count && !value; ++r) {
-      auto* word = const_cast<uint32_t*>(released.first + static_cast<size_t>(r) * released.stride);
-      value = ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*word).load(::cuda::memory_order_relaxed);
-    }
+  uint32_t value = 0;
+  for (int r = threadIdx.x; r < released.count; r += blockDim.x) {
+    auto* word = const_cast<uint32_t*>(released.first + static_cast<size_t>(r) * released.stride);
+    value |= ::cuda::atomic_ref<uint32_t, ::cuda::thread_scope_system>(*word).load(::cuda::memory_order_relaxed);
   }
-  __syncthreads();
-  return value != 0;
+  return __syncthreads_or(value != 0) != 0;
 }
 
 struct Sources {
@@ -83,24 +83,95 @@ __global__ void copy_kernel(ReleaseWords released, Unit* dst, const Unit* src, s
   }
 }
 
+// One element: `first`'s, then every source's in order, AVG's division, one
+// rounding; the same order in the vector and the scalar loops, so every rank
+// (and the host kernel) gets the same bits wherever its pieces are aligned.
+template <class T, class Op>
+__device__ T reduced(const T* first, const Sources& srcs, int nsrc, size_t i, int divisor) {
+  using Tr = Traits<T>;
+  auto acc = Tr::load(first[i]);
+  for (int s = 0; s < nsrc; ++s) acc = Op::apply(acc, Tr::load(static_cast<const T*>(srcs.p[s])[i]));
+  if (divisor != 1) acc = acc / static_cast<typename Tr::Acc>(divisor);  // before the one rounding, as SUM rounds
+  return Tr::store(acc);
+}
+
+// 16 bytes of T, loaded and stored whole.
+template <class T>
+union Vec {
+  static constexpr int kCount = 16 / sizeof(T);
+  uint4 raw;
+  T v[kCount];
+};
+
+// Elements [0, head) and [head + vectors * Vec<T>::kCount, n) one by one; those
+// between in 16-byte vectors, where every pointer is 16-byte aligned (launch_reduce
+// passes vectors = 0 where they are not).
 template <class T, class Op>
 __global__ void reduce_kernel(ReleaseWords released, T* dst, const T* first, Sources srcs, int nsrc, size_t n,
-                              T* out, int divisor) {
+                              size_t head, size_t vectors, T* out, int divisor) {
   if (released_now(released)) return;
-  using Tr = Traits<T>;
-  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    auto acc = Tr::load(first[i]);
-    for (int s = 0; s < nsrc; ++s) acc = Op::apply(acc, Tr::load(static_cast<const T*>(srcs.p[s])[i]));
-    // An AVG divides before its one rounding, so that it rounds as the SUM does.
-    if (divisor != 1) acc = acc / static_cast<typename Tr::Acc>(divisor);
-    const T v = Tr::store(acc);
+  constexpr int kCount = Vec<T>::kCount;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t thread = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  for (size_t k = thread; k < vectors; k += stride) {
+    const size_t at = head + k * kCount;
+    Vec<T> acc, in;
+    acc.raw = *reinterpret_cast<const uint4*>(first + at);
+    using Tr = Traits<T>;
+    typename Tr::Acc sum[kCount];
+    for (int j = 0; j < kCount; ++j) sum[j] = Tr::load(acc.v[j]);
+    for (int s = 0; s < nsrc; ++s) {
+      in.raw = *reinterpret_cast<const uint4*>(static_cast<const T*>(srcs.p[s]) + at);
+      for (int j = 0; j < kCount; ++j) sum[j] = Op::apply(sum[j], Tr::load(in.v[j]));
+    }
+    for (int j = 0; j < kCount; ++j) {
+      if (divisor != 1) sum[j] = sum[j] / static_cast<typename Tr::Acc>(divisor);
+      acc.v[j] = Tr::store(sum[j]);
+    }
+    *reinterpret_cast<uint4*>(dst + at) = acc.raw;
+    if (out) *reinterpret_cast<uint4*>(out + at) = acc.raw;
+  }
+  const size_t body_end = head + vectors * kCount, scattered = head + (n - body_end);
+  for (size_t k = thread; k < scattered; k += stride) {
+    const size_t i = k < head ? k : body_end + (k - head);
+    const T v = reduced<T, Op>(first, srcs, nsrc, i, divisor);
     dst[i] = v;
     if (out) out[i] = v;
   }
 }
 
-unsigned blocks_for(size_t n) { return static_cast<unsigned>(std::min<size_t>((n + kThreads - 1) / kThreads, 1024)); }
+// Enough blocks for `items` threads' worth, at most 4 per SM of the current
+// device: a grid-stride loop keeps them all busy at memory speed.
+unsigned blocks_for(size_t items) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sms[kMaxDevices] = {};  // per device, asked once (two threads may both ask)
+  int device = 0;
+  check(cudaGetDevice(&device), "cudaGetDevice");
+  int count = 64;  // a device beyond the table: 4 x 64 blocks
+  if (device < kMaxDevices) {
+    count = sms[device].load(std::memory_order_relaxed);
+    if (count == 0) {
+      check(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+      sms[device].store(count, std::memory_order_relaxed);
+    }
+  }
+  const size_t most = 4 * static_cast<size_t>(std::max(count, 1));
+  return static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>((items + kThreads - 1) / kThreads, most)));
+}
+
+// Elements before the first 16-byte boundary of all `pointers` (null ones left
+// out) where all are as far from one, a multiple of `size`; else SIZE_MAX: no vectors.
+size_t head_before_alignment(std::initializer_list<const void*> pointers, size_t size) {
+  size_t offset = SIZE_MAX;
+  for (const void* p : pointers) {
+    if (!p) continue;
+    const size_t at = reinterpret_cast<uintptr_t>(p) % 16;
+    if (offset != SIZE_MAX && at != offset) return SIZE_MAX;
+    offset = at;
+  }
+  if (offset == SIZE_MAX || offset % size) return SIZE_MAX;
+  return (16 - offset) % 16 / size;
+}
 
 template <class T, class Op>
 void launch_reduce(cudaStream_t stream, ReleaseWords released, void* dst, const void* first,
@@ -112,9 +183,17 @@ void launch_reduce(cudaStream_t stream, ReleaseWords released, void* dst, const 
     const size_t count = std::min<size_t>(kMaxSources, nsrc - done);
     for (size_t s = 0; s < count; ++s) batch.p[s] = srcs[done + s];
     const bool last = done + count == nsrc;
-    reduce_kernel<T, Op><<<blocks_for(n), kThreads, 0, stream>>>(
-        released, static_cast<T*>(dst), static_cast<const T*>(done ? dst : first), batch, static_cast<int>(count), n,
-        last ? static_cast<T*>(out) : nullptr, last ? divisor : 1);
+    const void* from = done ? dst : first;
+    T* into = last ? static_cast<T*>(out) : nullptr;
+    size_t head = head_before_alignment({dst, from, into}, sizeof(T));
+    for (size_t s = 0; s < count && head != SIZE_MAX; ++s) {
+      if (head_before_alignment({dst, batch.p[s]}, sizeof(T)) != head) head = SIZE_MAX;
+    }
+    if (head == SIZE_MAX || head > n) head = n;  // all one by one
+    const size_t vectors = (n - head) / Vec<T>::kCount;
+    reduce_kernel<T, Op><<<blocks_for(vectors + (n - vectors * Vec<T>::kCount)), kThreads, 0, stream>>>(
+        released, static_cast<T*>(dst), static_cast<const T*>(from), batch, static_cast<int>(count), n, head, vectors,
+        into, last ? divisor : 1);
     done += count;
   } while (done < nsrc);
   check(cudaGetLastError(), "reduce kernel launch");
