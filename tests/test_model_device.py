@@ -662,3 +662,41 @@ def test_calls_made_in_a_held_turn_issue_in_it(world):
     for the other, until the timeout."""
     results = run_ranks(_a_call_made_in_a_held_turn, world, env={**STREAMS_ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert results == [([], [])] * world
+
+
+def _waits_against_explain(rank, world):
+    """For each algorithm and a one-round and a several-round size: the waits on peers' words this
+    rank's stream issued for one call, after enough calls to have used every slot, and what explain
+    says of it; every result checked."""
+    out, wrong = [], []
+    for algorithm, num_packs in (("reduce_to_one_device", 1), ("hierarchical_copy", 1), ("hierarchical_copy", world),
+                                 ("direct", 1), ("hierarchical_copy", 2 * world + 1)):
+        group = dist.new_group(backend="hca", pg_options=torch_hca.Options(algorithm, num_packs))
+        backend = group._get_backend(torch.device("cpu"))
+        for case, numel in enumerate((1000, 100_003)):
+            inputs = [make_input(case, r, numel, torch.float32, "SUM") for r in range(world)]
+            for _ in range(shm_slots() + 1):  # every slot of the ring used
+                t = inputs[rank].clone()
+                dist.all_reduce(t, group=group)
+            before = backend._peer_waits(cuda=False)
+            t = inputs[rank].clone()
+            dist.all_reduce(t, group=group)
+            issued = backend._peer_waits(cuda=False) - before
+            wrong.append(mismatch(f"{algorithm} {num_packs} {numel}", t, reduce_reference(inputs, "SUM"), world))
+            said = torch_hca.explain(group=group, algorithm=algorithm, num_packs=num_packs, numels=[numel]).peer_waits
+            out.append((algorithm, num_packs, numel, issued, said[rank]))
+        dist.destroy_process_group(group)
+    return out, [w for w in wrong if w]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_waits_a_call_issues_are_those_explain_counts(world):
+    """Ranks sharing one model device, where every wait on a peer may cost a switch between their
+    processes: the waits each rank's stream issues for a call (none twice on the same word within
+    a call) are exactly what explain counts by running the plan's rounds dry, rank by rank."""
+    envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": "0"} for _ in range(world)]
+    for rank, (counts, wrong) in enumerate(run_ranks(_waits_against_explain, world, env_per_rank=envs,
+                                                     deadline_s=400)):
+        assert wrong == [], (rank, wrong)
+        for algorithm, num_packs, numel, issued, said in counts:
+            assert issued == said and issued > 0, (rank, algorithm, num_packs, numel, issued, said)

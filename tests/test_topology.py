@@ -392,3 +392,35 @@ def test_this_machine_and_the_named_rules(env, basis):
     assert (got[0][1] is None) == bool(env)
     # The shared-memory executor's staging is there from init; CUDA's waits for a CUDA collective.
     assert got[0][2] == {"cpu": "host shared memory (a POSIX segment every rank maps)", "cuda": None}, got[0][2]
+
+
+def test_ranks_sharing_a_gpu_are_said_to_take_turns_or_run_under_mps(tmp_path):
+    """Ranks whose places name one GPU share it: under MPS where its control daemon's pipe is in
+    CUDA_MPS_PIPE_DIRECTORY (or /tmp/nvidia-mps), else taking turns; ranks on GPUs of their own
+    share nothing."""
+    places = topology.layout_places(["0", "0", "1", "1", "2"], "nvswitch")
+    turns = topology.gpu_sharing(places, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    assert turns == (f"ranks 0,1 share GPU 0; ranks 2,3 share GPU 1, taking turns (time-slicing: no MPS control "
+                     f"daemon's pipe in {tmp_path})"), turns
+    (tmp_path / "control").touch()
+    mps = topology.gpu_sharing(places, {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    assert mps.endswith(f", under MPS (its control daemon's pipe is in {tmp_path})"), mps
+    assert topology.gpu_sharing(topology.layout_places(["0", "1"], "nvswitch"), {}) is None
+    assert topology.gpu_sharing([Place(), Place()], {}) is None
+
+
+def _on_gpus(gpus, rank):
+    """Runs in each rank before init: its GPU is gpus[rank], all on one NVSwitch."""
+    topology.MACHINE = lambda: Machine(gpu=topology.layout_places(gpus, "nvswitch")[rank].gpu)
+
+
+def _gpu_sharing(rank, world):
+    return torch_hca.hierarchy()["gpu_sharing"]
+
+
+def test_a_group_says_which_of_its_ranks_share_a_gpu():
+    gpus = ["0", "0", "1"]
+    got = run_ranks(_gpu_sharing, 3, before_init=functools.partial(_on_gpus, gpus),
+                    env={"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent"})
+    assert got == ["ranks 0,1 share GPU 0, taking turns (time-slicing: no MPS control daemon's pipe in "
+                   "/nonexistent)"] * 3, got

@@ -178,7 +178,27 @@ def resolve(groups, store=None, rank=0, size=1, timeout_ms=0, places: Optional[S
 def describe(cpu: Hierarchy, cuda: Hierarchy, places: Optional[Sequence[Place]]) -> str:
     """What `torch_hca.hierarchy` returns, as stored on the backend."""
     return json.dumps({"cpu": dataclasses.asdict(cpu), "cuda": dataclasses.asdict(cuda),
-                       "places": None if places is None else [str(p) for p in places]})
+                       "places": None if places is None else [str(p) for p in places],
+                       "gpu_sharing": gpu_sharing(places or ())})
+
+
+def gpu_sharing(places: Sequence[Place], environ=None) -> Optional[str]:
+    """Which ranks share a GPU, and how their processes run on it: under MPS where its control
+    daemon's pipe is there (CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps: hca starts no daemon),
+    else taking turns (time-slicing), where each wait of one rank for another is a switch between
+    contexts; None where no two ranks reported the same GPU."""
+    environ = os.environ if environ is None else environ
+    ranks_of: Dict[str, List[int]] = {}
+    for rank, p in enumerate(places):
+        if p.gpu is not None:
+            ranks_of.setdefault(p.gpu.uuid, []).append(rank)
+    shared = [(uuid, ranks) for uuid, ranks in ranks_of.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    pipes = environ.get("CUDA_MPS_PIPE_DIRECTORY", "").strip() or "/tmp/nvidia-mps"
+    how = (f"under MPS (its control daemon's pipe is in {pipes})" if os.path.exists(os.path.join(pipes, "control"))
+           else f"taking turns (time-slicing: no MPS control daemon's pipe in {pipes})")
+    return "; ".join(f"ranks {_ids(ranks)} share GPU {uuid}" for uuid, ranks in shared) + ", " + how
 
 
 def _hierarchy(places, level_names) -> Hierarchy:
@@ -281,7 +301,8 @@ def _ids(ids) -> str:
 def hierarchy(group=None) -> Dict[str, object]:
     """The hierarchy an `hca` process group (default: the world) found at init:
     {"cpu": Hierarchy, "cuda": Hierarchy, "places": each rank's place in words, or None where
-    groups were given or "halves", "staging": {"cpu": ..., "cuda": ...}: where each device's
+    groups were given or "halves", "gpu_sharing": which ranks share a GPU and whether under MPS or
+    taking turns (gpu_sharing), or None (none do, or unknown at init), "staging": {"cpu": ..., "cuda": ...}: where each device's
     tensors are staged, in words, or None until the group's first collective on that device sets
     it up (CUDA's: GPU memory by CUDA IPC, or host shared memory where a rank cannot map a peer's
     GPU or its mapping failed, and why; with fewer or smaller slots where /dev/shm is short),
@@ -304,6 +325,7 @@ def hierarchy(group=None) -> Dict[str, object]:
     return {"cpu": dataclasses.replace(Hierarchy(**d["cpu"]), groups=backend.groups(cuda=False)),
             "cuda": dataclasses.replace(Hierarchy(**d["cuda"]), groups=backend.groups(cuda=True)),
             "places": d["places"],
+            "gpu_sharing": d.get("gpu_sharing"),
             "staging": {device: backend.staging(cuda=device == "cuda") or None for device in ("cpu", "cuda")},
             "staging_slot_bytes": {device: backend.staging_slot_bytes(cuda=device == "cuda") or None
                                    for device in ("cpu", "cuda")},

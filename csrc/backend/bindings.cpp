@@ -16,6 +16,7 @@
 #include "../transport/control/segment.h"
 #include "../transport/shm/mailbox.h"
 #include "../transport/cuda/cuda_executor.h"
+#include "../transport/dry_run.h"
 #include "../transport/stream/aligned_span.h"
 #include "../transport/stream/model_runtime.h"
 #include "calls/issue_order.hpp"
@@ -150,6 +151,23 @@ std::vector<TensorDesc> float32_tensors(const std::vector<size_t>& numels) {
   return tensors;
 }
 
+// The plan `python -m torch_hca.explain` shows: of float32 tensors of `numels`.
+std::vector<PackPlan> explained_plan(const std::string& collective, int world, const std::vector<size_t>& numels,
+                                     const PlanOptions& options, int root, size_t slot_bytes) {
+  if (world < 1) throw std::invalid_argument("world_size: must be >= 1, got " + std::to_string(world));
+  validate(options, world);
+  if (collective != "allreduce" && (root < 0 || root >= world)) {
+    throw std::invalid_argument("root: " + std::to_string(root) + " is outside the world of " + std::to_string(world) +
+                                " ranks");
+  }
+  if (slot_bytes < element_size(DType::F64)) throw std::invalid_argument("slot_bytes: must be >= 8");
+  const auto tensors = float32_tensors(numels);
+  if (collective == "allreduce") return plan_allreduce(tensors, world, options);
+  if (collective == "reduce") return plan_reduce(tensors, world, root, options);
+  if (collective == "broadcast") return plan_broadcast(tensors, world, root);
+  throw std::invalid_argument("collective: expected allreduce, reduce or broadcast, got '" + collective + "'");
+}
+
 }  // namespace
 }  // namespace hca
 
@@ -276,6 +294,7 @@ PYBIND11_MODULE(_C, m) {
       .def("staging", &ProcessGroupHCA::staging, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("staging_slot_bytes", &ProcessGroupHCA::staging_slot_bytes, py::arg("cuda"),
            py::call_guard<py::gil_scoped_release>())
+      .def("_peer_waits", &ProcessGroupHCA::peer_waits, py::arg("cuda"), py::call_guard<py::gil_scoped_release>())
       .def("_scribble_for_test", &ProcessGroupHCA::scribble_for_test, py::arg("seed"))
       .def("_p2p_reserved_bytes", &ProcessGroupHCA::p2p_reserved_bytes)
       .def("_cpu_said_by", &ProcessGroupHCA::cpu_said_by, py::arg("rank"))
@@ -522,19 +541,7 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& collective, int world, const std::vector<size_t>& numels, const PlanOptions& options,
          int root, size_t slot_bytes) {
         return checked([&] {
-          if (world < 1) throw std::invalid_argument("world_size: must be >= 1, got " + std::to_string(world));
-          validate(options, world);
-          if (collective != "allreduce" && (root < 0 || root >= world)) {
-            throw std::invalid_argument("root: " + std::to_string(root) + " is outside the world of " +
-                                        std::to_string(world) + " ranks");
-          }
-          if (slot_bytes < element_size(DType::F64)) throw std::invalid_argument("slot_bytes: must be >= 8");
-          const auto tensors = float32_tensors(numels);
-          std::vector<PackPlan> plan;
-          if (collective == "allreduce") plan = plan_allreduce(tensors, world, options);
-          else if (collective == "reduce") plan = plan_reduce(tensors, world, root, options);
-          else if (collective == "broadcast") plan = plan_broadcast(tensors, world, root);
-          else throw std::invalid_argument("collective: expected allreduce, reduce or broadcast, got '" + collective + "'");
+          const auto plan = explained_plan(collective, world, numels, options, root, slot_bytes);
           const auto rounds = cut_rounds(plan, slot_bytes);
           const std::string text = explain(plan) + roles_text(plan, world) + "rounds of a " +
                                    std::to_string(slot_bytes) + "-byte slot:\n" + rounds_text(rounds);
@@ -543,6 +550,19 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("collective"), py::arg("world_size"), py::arg("numels"), py::arg("options"), py::arg("root"),
       py::arg("slot_bytes"));
+  m.def(
+      "peer_waits_of_call",
+      [](const std::string& collective, int world, const std::vector<size_t>& numels, const PlanOptions& options,
+         int root, size_t slot_bytes, int slots) {
+        return checked([&] {
+          if (slots < 1) throw std::invalid_argument("slots: must be >= 1, got " + std::to_string(slots));
+          const auto plan = explained_plan(collective, world, numels, options, root, slot_bytes);
+          return peer_waits_of_call(plan, world, RingLayout{slot_bytes, slots});
+        });
+      },
+      py::arg("collective"), py::arg("world_size"), py::arg("numels"), py::arg("options"), py::arg("root"),
+      py::arg("slot_bytes"), py::arg("slots"),
+      "Per rank, the waits on peers' words a stream issues for one such call, every slot of the ring used before");
   m.def(
       "packs",
       [](const std::vector<size_t>& numels, const PackingOptions& packing) {

@@ -85,6 +85,10 @@ class Executor {
   // Bytes of one rank's staging slot, which cuts large packs into rounds (for
   // explain); 0 while the staging is not set up.
   virtual size_t staging_slot_bytes() const = 0;
+  // Stream media only: the waits on peers' progress words issued so far (each
+  // a switch between processes on a shared GPU unless the peer is past it), for
+  // tests against explain's count; 0 elsewhere.
+  virtual uint64_t peer_waits() const { return 0; }
 };
 
 }  // namespace hca

@@ -13,7 +13,7 @@ import os
 from typing import Dict, List, Optional, Sequence, Union
 
 from .. import _C, costs, links as link_model, topology
-from ..options import Options, cuda_chunk_bytes, shm_chunk_bytes
+from ..options import Options, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, shm_slots
 
 
 @dataclasses.dataclass
@@ -24,7 +24,10 @@ class Plan:
     rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`.
     predicted_us: where hca chose per call, the cost model's time for each candidate left open
     (of "one_pack", "pack_per_rank", "reduce_to_one_device", "direct"); chosen: the one the call got;
-    cost_model: that model (its lines and where they came from)."""
+    cost_model: that model (its lines and where they came from).
+    peer_waits: per rank, the waits on peers' progress words its stream issues for one such call once
+    the group has used every staging slot (on a GPU that processes share, each a switch between
+    them unless the peer is already past it)."""
 
     packs: List[dict]
     text: str
@@ -34,6 +37,7 @@ class Plan:
     predicted_us: Optional[Dict[str, float]] = None
     cost_model: Optional[costs.CostModel] = None
     chosen: Optional[str] = None
+    peer_waits: Optional[List[int]] = None
 
     def leaders(self) -> List[int]:
         """The rank that ends each pack's reduction (the last reduce edge's destination)."""
@@ -159,16 +163,20 @@ def explain(
     else:
         names = costs.candidates(algorithm, num_packs) if world_size > 1 else ()
         model = _cost_model(running, device, world_size, cpus, hierarchy.groups, gpus, places) if names else None
-        packs, text, roles, rounds = _C.plan(collective, world_size, numels,
-                                             options.plan_options(hierarchy.groups, costs.plan_choices(model, names)
-                                                                  if model else ()),
-                                             root, _slot_bytes(device, running, gpus) if slot_bytes is None else slot_bytes)
+        by_choice = options.plan_options(hierarchy.groups, costs.plan_choices(model, names) if model else ())
+        slot = _slot_bytes(device, running, gpus) if slot_bytes is None else slot_bytes
+        packs, text, roles, rounds = _C.plan(collective, world_size, numels, by_choice, root, slot)
         nbytes = 4 * sum(numels)
         predicted = model.predict_us(nbytes, names) if model and collective == "allreduce" else None
         chosen = model.choose(nbytes, names) if predicted else None
         choice = _choice(model, names, predicted, chosen) if predicted else ""
+        slots = shm_slots() if device == "cpu" else cuda_slots()
+        waits = list(_C.peer_waits_of_call(collective, world_size, numels, by_choice, root, slot, slots))
+        if device == "cuda":
+            text += (f"waits on peers a call issues, by rank (with {slots} slots; ranks sharing a GPU switch between "
+                     f"their processes at each one a peer has not passed yet): {', '.join(map(str, waits))}\n")
         plan = Plan(list(packs), f"{hierarchy}\n{choice}{text}", list(roles), [list(r) for r in rounds], hierarchy,
-                    predicted, model, chosen)
+                    predicted, model, chosen, waits)
     if running is not None:
         where = running["staging"][device] or f"not set up yet (at the group's first collective on {device} tensors)"
         plan.text = f"{plan.text.rstrip()}\nstaging of {device} tensors: {where}\n"

@@ -325,6 +325,8 @@ size_t ProcessGroupHCA::staging_slot_bytes(bool cuda) {
   return ask_staging(cuda, &Executor::staging_slot_bytes, size_t{0});
 }
 
+uint64_t ProcessGroupHCA::peer_waits(bool cuda) { return ask_staging(cuda, &Executor::peer_waits, uint64_t{0}); }
+
 CallStreams* ProcessGroupHCA::call_streams(const at::Device& device) {
   return device.is_cpu() ? cpu_call_streams_.get() : cuda_call_streams_.get();
 }

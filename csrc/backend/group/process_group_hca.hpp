@@ -103,6 +103,8 @@ class ProcessGroupHCA : public c10d::Backend {
   std::string staging(bool cuda);
   // Bytes of a rank's staging slot for CPU or CUDA tensors; 0 where staging() is empty.
   size_t staging_slot_bytes(bool cuda);
+  // Waits on peers' progress words this rank's stream executor issued for CPU or CUDA tensors.
+  uint64_t peer_waits(bool cuda);
   // Tests: this rank's words in the control block and its channels scribbled
   // over (a hostile or broken peer); see ControlBlock / Mailbox::scribble_for_test.
   void scribble_for_test(uint64_t seed) {

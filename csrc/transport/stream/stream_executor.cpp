@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "../covered_waits.h"
 #include "../medium.h"
 #include "../round_runner.h"
 #include "event_pool.h"
@@ -20,10 +21,16 @@ constexpr uint32_t kPoison = 1u << 30;  // added to a word: every pending wait o
 class StreamMedium final : public Medium {
  public:
   StreamMedium(StreamDevice& device, int rank, int world, RingLayout ring)
-      : device_(device), rank_(rank), ring_(ring), awaited_(world, 0) {}
-  void set_stream(StreamDevice::Stream stream) { stream_ = stream; }
+      : device_(device), rank_(rank), ring_(ring), awaited_(world, 0), covered_(world) {}
+  // Each collective's operations go on its stream; its waits start uncovered.
+  void set_stream(StreamDevice::Stream stream) {
+    stream_ = stream;
+    covered_.reset();
+  }
   // The highest value issued waits expect of each peer's word.
   const std::vector<uint32_t>& awaited() const { return awaited_; }
+  // Waits on peers' words issued so far.
+  uint64_t peer_waits() const { return covered_.issued(); }
 
   char* staging(int rank, uint64_t round) const override {
     return device_.staging(rank) + (round % static_cast<uint64_t>(ring_.slots)) * ring_.slot_bytes;
@@ -38,6 +45,7 @@ class StreamMedium final : public Medium {
     device_.reduce(stream_, dtype, op, dst, first, srcs, nsrc, n, out, divisor);
   }
   void wait(int peer, uint32_t at_least, const WaitContext&) override {
+    if (!covered_.needed(peer, at_least)) return;
     device_.wait_progress(stream_, peer, at_least);
     awaited_[peer] = at_least;
   }
@@ -48,6 +56,7 @@ class StreamMedium final : public Medium {
   int rank_;
   RingLayout ring_;
   std::vector<uint32_t> awaited_;
+  CoveredWaits covered_;
   StreamDevice::Stream stream_ = nullptr;
 };
 
@@ -140,6 +149,11 @@ class StreamExecutor final : public Executor {
   size_t staging_slot_bytes() const override {
     std::lock_guard<std::mutex> lock(mutex_);
     return staging_slot_bytes_;
+  }
+
+  uint64_t peer_waits() const override {
+    std::lock_guard<std::mutex> lock(mutex_);  // medium_ is made at set-up, under it
+    return medium_ ? medium_->peer_waits() : 0;
   }
 
   void end_call(void* stream, std::shared_ptr<Issued> issued, std::shared_ptr<const void> keep) override {
@@ -324,8 +338,8 @@ class StreamExecutor final : public Executor {
       staging_ = device_->staging_kind() + "; " + std::to_string(ring.slots) + " slots of " +
                  std::to_string(ring.slot_bytes) + " bytes per rank";
       staging_slot_bytes_ = ring.slot_bytes;
+      medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), ring);
     }
-    medium_ = std::make_unique<StreamMedium>(*device_, control_.rank(), control_.world(), device_->ring());
     runner_ = std::make_unique<RoundRunner>(*medium_, control_.rank(), control_.world());
     watchdog_ = std::thread([this] { watch(); });
     census_thread_ = std::thread([this] { take_census(); });
