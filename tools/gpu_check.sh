@@ -11,6 +11,8 @@
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
 #   host      the host's time per call beside ProcessGroupNCCL's: world 1, hca's all-reduce and the nccl
 #             pass-through beside stock NCCL, 8 B-64 MiB; then 2 ranks sharing the GPU, rank 1 50 ms late
+#   shared    ranks sharing the GPU: the all-reduce sweep of 2, 3 and 4 ranks beside gloo, 8 B-64 MiB (JSON each),
+#             then torch_hca.check on 2 and 3 ranks
 #   kernels   hca's copy and sum-of-k kernels beside torch's copy_ and add, 1 MiB-1 GiB, float32 and bf16, one
 #             process (python -m torch_hca.bench --kernels); then the GPU tests of the kernels' vector paths
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${OUT:-gpu-out}")
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck check bench host kernels perf)"; exit 2; }
+(( $# )) || { echo "usage: gpu_check.sh PHASE... (smoke loops probes tests:N tests:FILE memcheck check bench host shared kernels perf)"; exit 2; }
 LOGS=$OUT/logs
 mkdir -p "$LOGS"
 started=$(date +%s)
@@ -138,6 +140,17 @@ run_phase() {
       --late-rank 1:50 -n 20 --json "$OUT/host-ranks2-late.json" || rc=1
     return $rc
     ;;
+  shared)
+    local rc=0 device ranks
+    device=$(has_gpu && echo cuda || echo model)
+    for ranks in 2 3 4; do
+      bounded "$(( $(left) / (6 - ranks) ))" $PYTHON -m torch_hca.bench --device "$device" --nprocs "$ranks" -b 8 \
+        -e 64M -f 8 --compare gloo --json "$OUT/shared-ranks$ranks.json" || rc=1
+    done
+    bounded "$(left)" $PYTHON -m torch_hca.check --device "$([[ $device == cuda ]] && echo cuda || echo cpu)" \
+      --world-sizes 2,3 --json "$OUT/shared-check.json" --log "$LOGS/shared-check-lines.log" || rc=1
+    return $rc
+    ;;
   kernels)
     local rc=0 device
     device=$(has_gpu && echo cuda || echo cpu)  # no GPU: the host kernels, up to 16 MiB (the script's own check)
@@ -157,7 +170,7 @@ run_phase() {
     return $rc
     ;;
   *)
-    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench host kernels perf)"
+    echo "unknown phase $1 (smoke loops probes tests:N tests:FILE memcheck check bench host shared kernels perf)"
     return 2
     ;;
   esac
