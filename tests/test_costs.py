@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 import torch_hca
-from torch_hca import costs, links, topology
+from torch_hca import costs, links
 from harness import STREAMS_ENV, RankFailed, run_ranks
 from reference import make_input, mismatch, reduce_reference
+from test_topology import on_gpus
 
 
 def test_a_fit_recovers_the_line_through_its_points():
@@ -313,12 +314,6 @@ def _table(gpus, clique):
     return (costs.plan_choices(model, tuple(costs.CANDIDATES)) if model else []), model
 
 
-def _on_an_nvswitch_node(world, rank):
-    """Runs in each rank before init: it finds a GPU of its own, NVLink to every other rank's."""
-    places = topology.layout_places([f"gpu{r}" for r in range(world)], "nvswitch")
-    topology.MACHINE = lambda: topology.Machine(gpu=places[rank].gpu)
-
-
 @pytest.mark.parametrize("world, layout, clique", [
     (4, "shared", False), (3, "shared", False), (4, "a GPU each", False), (3, "the last apart", False),
     (2, "shared", False), (2, "a GPU each", False), (1, "shared", False),
@@ -334,7 +329,8 @@ def test_a_group_whose_ranks_tensors_share_a_gpu_plans_them_by_its_table(world, 
     all NVLink peers (`clique`), tensors on a GPU each take the link model's table, the child's of
     its own size; tensors that turn out on one GPU, that GPU's; any other layout none."""
     gpus = GPU_LAYOUTS[layout](world)
-    setup = functools.partial(_on_an_nvswitch_node, world) if clique else None
+    # Where `clique`, each rank finds at init a GPU of its own, NVLink to every other rank's.
+    setup = functools.partial(on_gpus, [f"gpu{r}" for r in range(world)]) if clique else None
     results = run_ranks(_choices_per_device, world, gpus, before_init=setup)
     none = {"cuda": None, "cuda_by_size": [], "chosen": None, "its_hierarchy": True}
     for out in results[:-1]:  # the last rank is outside the child

@@ -409,7 +409,7 @@ def test_ranks_sharing_a_gpu_are_said_to_take_turns_or_run_under_mps(tmp_path):
     assert topology.gpu_sharing([Place(), Place()], {}) is None
 
 
-def _on_gpus(gpus, rank):
+def on_gpus(gpus, rank):
     """Runs in each rank before init: its GPU is gpus[rank], all on one NVSwitch."""
     topology.MACHINE = lambda: Machine(gpu=topology.layout_places(gpus, "nvswitch")[rank].gpu)
 
@@ -420,7 +420,7 @@ def _gpu_sharing(rank, world):
 
 def test_a_group_says_which_of_its_ranks_share_a_gpu():
     gpus = ["0", "0", "1"]
-    got = run_ranks(_gpu_sharing, 3, before_init=functools.partial(_on_gpus, gpus),
+    got = run_ranks(_gpu_sharing, 3, before_init=functools.partial(on_gpus, gpus),
                     env={"CUDA_MPS_PIPE_DIRECTORY": "/nonexistent"})
     assert got == ["ranks 0,1 share GPU 0, taking turns (time-slicing: no MPS control daemon's pipe in "
                    "/nonexistent)"] * 3, got

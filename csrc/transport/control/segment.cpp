@@ -148,14 +148,14 @@ class OpenSegments {
 
 // "/dev/shm: 3.2 of 64 MiB free", or nothing if it cannot be read.
 std::string dev_shm_space() {
-  struct statvfs fs {};
-  if (statvfs("/dev/shm", &fs) != 0) return "";
-  const auto mib = [&](fsblkcnt_t blocks) {
+  const auto space = dev_shm_space_now();
+  if (!space) return "";
+  const auto mib = [](size_t bytes) {
     char text[32];
-    std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(blocks) * fs.f_frsize / (1 << 20));
+    std::snprintf(text, sizeof(text), "%.1f", static_cast<double>(bytes) / (1 << 20));
     return std::string(text);
   };
-  return "/dev/shm: " + mib(fs.f_bavail) + " of " + mib(fs.f_blocks) + " MiB free; ";
+  return "/dev/shm: " + mib(space->free) + " of " + mib(space->total) + " MiB free; ";
 }
 
 char* map(int fd, size_t bytes) {
@@ -182,6 +182,12 @@ void reserve_in(int fd, size_t offset, size_t bytes, const std::string& what) {
 }
 
 }  // namespace
+
+std::optional<DevShmSpace> dev_shm_space_now() {
+  struct statvfs fs {};
+  if (statvfs("/dev/shm", &fs) != 0) return std::nullopt;
+  return DevShmSpace{static_cast<size_t>(fs.f_bavail) * fs.f_frsize, static_cast<size_t>(fs.f_blocks) * fs.f_frsize};
+}
 
 size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what) {
   size_t ab = 0, abc = 0;

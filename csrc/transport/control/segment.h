@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "../rendezvous.h"
@@ -17,6 +18,13 @@ namespace hca {
 // --ipc=host), whatever their hostnames. "host <name>" stands in for a boot id
 // that cannot be read.
 std::string shared_memory_identity();
+
+// What /dev/shm has, in bytes: free for this user, and in all; nullopt where it cannot be read.
+struct DevShmSpace {
+  size_t free;
+  size_t total;
+};
+std::optional<DevShmSpace> dev_shm_space_now();
 
 // a * b * c bytes; throws std::invalid_argument naming `what` if it does not fit a size_t.
 size_t product_bytes(size_t a, size_t b, size_t c, const std::string& what);

@@ -1,12 +1,11 @@
 #include "staging_place.h"
 
-#include "../../plan/rounds.h"
-
-#include <sys/statvfs.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <stdexcept>
+
+#include "../../plan/rounds.h"
+#include "../control/segment.h"
 
 namespace hca {
 
@@ -64,12 +63,6 @@ std::string ring_text(RingLayout ring) {
   return std::to_string(ring.slots) + " slots of " + std::to_string(ring.slot_bytes) + " bytes";
 }
 
-size_t dev_shm_free_bytes() {
-  struct statvfs fs {};
-  if (statvfs("/dev/shm", &fs) != 0) return SIZE_MAX;  // no /dev/shm to ask: segment creation says what fails
-  return static_cast<size_t>(fs.f_bavail) * fs.f_frsize;
-}
-
 }  // namespace
 
 FittedRing fit_ring(RingLayout asked, int world, size_t free_bytes) {
@@ -97,7 +90,9 @@ FittedRing agree_host_ring(Rendezvous& rendezvous, const std::string& topic, int
   std::string mine = "-";  // only rank 0's report counts: every rank sees one /dev/shm, at different moments
   if (rank == 0) {
     try {
-      const FittedRing fitted = fit_ring(asked, world, dev_shm_free_bytes());
+      // No /dev/shm to ask: the segment's creation says what fails.
+      const auto space = dev_shm_space_now();
+      const FittedRing fitted = fit_ring(asked, world, space ? space->free : SIZE_MAX);
       mine = "+" + std::to_string(fitted.ring.slot_bytes) + " " + std::to_string(fitted.ring.slots) + " " + fitted.note;
       if (!fitted.note.empty()) std::fprintf(stderr, "hca: warning: the host staging has %s\n", fitted.note.c_str());
     } catch (const std::runtime_error& e) {
