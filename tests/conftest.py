@@ -13,6 +13,10 @@ from harness import STREAMS_ENV
 # cached must not change what the tests' groups choose. Spawned ranks inherit it.
 os.environ["TORCH_HCA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torch-hca-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TORCH_HCA_CACHE_DIR"], True)
+# A failed call writes its rank's Flight Recorder dump (as ProcessGroupNCCL's do): the session's own folder.
+_dumps = tempfile.mkdtemp(prefix="torch-hca-test-fr-")
+os.environ["TORCH_FR_DUMP_TEMP_FILE"] = os.path.join(_dumps, "trace_")
+atexit.register(shutil.rmtree, _dumps, True)
 
 DEVICES = [
     pytest.param("cpu", id="cpu"),

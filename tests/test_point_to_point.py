@@ -529,6 +529,7 @@ def _pending_at_destroy(rank, world):
     group = dist.new_group(timeout=timedelta(seconds=20))
     dist.barrier(group=group)
     works = [dist.irecv(torch.empty(10), (rank + 1) % world, group=group, tag=1000 + i) for i in range(200)]
+    dist.barrier(group=group)  # every rank posted all: a rank that destroys first fails the others' waits, not posts
     dist.destroy_process_group(group)
     del group  # the last reference: the backend goes now
     start, messages = time.monotonic(), set()

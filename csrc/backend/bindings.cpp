@@ -369,6 +369,9 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("store"), py::arg("topic"), py::arg("rank"), py::arg("size"), py::arg("mine"), py::arg("timeout_ms"),
       py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_flight_recorder", [] { return flight_recorder().text; },
+      "Where hca's calls are entered in torch's Flight Recorder, or why they are not");
   m.def("_mailbox_ring_bytes", &shm::Mailbox::ring_bytes_for, py::arg("world"),
         "Bytes of each point-to-point channel's ring in a group of `world` ranks");
   m.def("_stashed_bytes_in_process", &shm::stashed_bytes_in_process,

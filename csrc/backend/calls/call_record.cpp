@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "window_work.hpp"
+#include "work_hca.hpp"
 
 namespace hca {
 
@@ -14,6 +15,7 @@ std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& li
 
 void CallRecorder::set_global_ranks(const std::vector<int64_t>& ranks) {
   global_ranks_ = ranks;
+  flight_->set_global_ranks(ranks);
   rank_start_ = ranks.empty() ? 0 : static_cast<int>(ranks[0]);
   rank_stride_ = ranks.size() > 1 ? static_cast<int>(ranks[1] - ranks[0]) : 1;
   for (size_t i = 1; i < ranks.size(); ++i) {
@@ -54,6 +56,38 @@ c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Wo
     }
   }
   return work;
+}
+
+c10::intrusive_ptr<c10d::Work> CallRecorder::followed(const FlightLog::Ticket& entry, bool device_tensors,
+                                                      c10::intrusive_ptr<c10d::Work> work) {
+  if (!entry.id || !work) return work;
+  // hca's own Works say whether they issued to a stream (the CPU model's do); others go by the tensors.
+  const auto* own = dynamic_cast<const WorkHCA*>(work.get());
+  const bool on_device = own ? own->on_device() : device_tensors;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const c10::Error&) {  // a Work without a Future: what it issued is all the host sees
+    flight_->finished(entry, true);
+    return work;
+  }
+  if (future->completed()) {  // a blocking call run on the caller's thread
+    if (!future->hasError()) flight_->finished(entry, on_device);
+    return work;
+  }
+  future->addCallback([flight = flight_, entry, on_device](c10::ivalue::Future& done) {
+    if (!done.hasError()) flight->finished(entry, on_device);
+  });
+  return work;
+}
+
+bool CallRecorder::on_a_device(const CommsCall& call) {
+  for (const auto* list : {&call.inputs, &call.outputs}) {
+    for (const auto& t : *list) {
+      if (t.defined() && !t.is_cpu()) return true;
+    }
+  }
+  return false;
 }
 
 int64_t CallRecorder::numel(const std::vector<at::Tensor>& tensors) {

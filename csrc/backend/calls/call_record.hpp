@@ -1,7 +1,8 @@
-// Each communication call of a backend counted (its sequence number) and, when
-// a profiler listens, recorded with the metadata torch's trace tools read
-// (ParamCommsUtils.hpp: the call's name, message sizes, dtype, group and its
-// ranks in the world), as ProcessGroupNCCL records its own.
+// Each communication call of a backend counted (its sequence number), entered
+// in torch's Flight Recorder (flight_record.hpp) and, when a profiler listens,
+// recorded with the metadata torch's trace tools read (ParamCommsUtils.hpp: the
+// call's name, message sizes, dtype, group and its ranks in the world), as
+// ProcessGroupNCCL records its own.
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ParamCommsUtils.hpp>
@@ -13,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flight_record.hpp"
 #include "refusal.hpp"
 
 // Whether the caller waits in the call (`async_op`) is recorded where torch can
@@ -49,6 +51,8 @@ class CallRecorder {
   // The group's ranks in the world, in group order (empty: the world itself).
   void set_global_ranks(const std::vector<int64_t>& ranks);
   const std::vector<int64_t>& global_ranks() const { return global_ranks_; }
+  // The timeout the Flight Recorder's entries say the calls have.
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ms_ = timeout.count(); }
   // setSequenceNumberForGroup / getSequenceNumberForGroup: the calls issued since.
   void reset() { issued_ = 0; }
   uint64_t issued() const { return issued_; }
@@ -66,18 +70,26 @@ class CallRecorder {
   c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, bool async_op,
                                             Issue&& issue) {
     mark_handed_on();
-    if (!at::hasCallbacks()) return counted(issue());
+    const auto entry = flight_->scheduled(backend, call.name, call.peer, call.inputs, call.outputs,
+                                          std::chrono::milliseconds(timeout_ms_.load()));
+    const bool device_tensors = entry.id && on_a_device(call);  // before `issue` may move the tensors
+    if (!at::hasCallbacks()) return counted(followed(entry, device_tensors, issue()));
     const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
     const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());
     const int rank = call.peer.value_or(backend.getRank());
     HCA_RECORD_PARAM_COMMS(async_op, seq, name, call.inputs, call.outputs, rank, call.name, numel(call.inputs),
                            numel(call.outputs), dtype(call), call.input_splits, call.output_splits, rank_start_,
                            rank_stride_, backend.getSize());
-    return counted(issue());
+    return counted(followed(entry, device_tensors, issue()));
   }
 
  private:
   c10::intrusive_ptr<c10d::Work> counted(c10::intrusive_ptr<c10d::Work> work);
+  // `work`, whose Flight Recorder entry is retired once it ends well; `device_tensors`: the call's
+  // tensors are on a device (on_a_device).
+  c10::intrusive_ptr<c10d::Work> followed(const FlightLog::Ticket& entry, bool device_tensors,
+                                          c10::intrusive_ptr<c10d::Work> work);
+  static bool on_a_device(const CommsCall& call);
   static int64_t numel(const std::vector<at::Tensor>& tensors);
   static at::ScalarType dtype(const CommsCall& call);
 
@@ -90,6 +102,9 @@ class CallRecorder {
   std::mutex window_mutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> window_;
   std::vector<int64_t> global_ranks_;
+  // Shared with the callbacks of the Works it follows, which may end after the group.
+  std::shared_ptr<FlightLog> flight_ = std::make_shared<FlightLog>();
+  std::atomic<int64_t> timeout_ms_{0};
   // As ParamCommsDebugInfo takes the ranks: the first and the stride between
   // them (-1: not evenly spaced, the ranks are then not listed).
   int rank_start_ = 0;

@@ -6,6 +6,7 @@
 #include "../../transport/control/thread_slice.h"
 #include "../../transport/control/wait.h"
 #include "../../transport/shm/progress.h"
+#include "flight_record.hpp"
 
 namespace hca {
 namespace {
@@ -161,7 +162,11 @@ bool WorkHCA::wait(std::chrono::milliseconds timeout) {
 void WorkHCA::synchronize() {
   if (!device_) return;
   device_->make_current_stream_wait();
-  device_->check_released();
+  try {
+    device_->check_released();
+  } catch (...) {
+    std::rethrow_exception(with_flight_recorder_dump(std::current_exception()));
+  }
 }
 
 std::exception_ptr WorkHCA::run_body() {
@@ -175,8 +180,9 @@ std::exception_ptr WorkHCA::run_body() {
 
 void WorkHCA::release_body() { body_ = nullptr; }
 
-void WorkHCA::complete(std::exception_ptr error) {
+void WorkHCA::complete(std::exception_ptr error, bool dump) {
   if (error) {
+    if (dump) error = with_flight_recorder_dump(error);
     future_->setError(error);
     finish(error);
   } else {

@@ -59,6 +59,8 @@ class WorkHCA : public c10d::Work {
   bool isCompleted() override { return future_->completed() && (!device_ || device_->query()); }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::vector<at::Tensor> result() override { return outputs_; }
+  // Whether the body issues work to a device stream (the host's end is not the call's).
+  bool on_device() const { return device_ != nullptr; }
   // Waits for the host body: without a timeout, runs it here if it is next in
   // its queue and the worker has not taken it (no thread hand-off), else waits
   // for the worker. For device work, the caller's current stream then waits for the
@@ -70,8 +72,10 @@ class WorkHCA : public c10d::Work {
   std::exception_ptr run_body();
   // Lets go of the body's closure (and what it holds), once the Work is complete.
   void release_body();
-  // Completes the Work and its Future (a Work without a body, e.g. a send).
-  void complete(std::exception_ptr error);
+  // Completes the Work and its Future (a Work without a body, e.g. a send); a failed one
+  // writes the process's Flight Recorder dump first (flight_record.hpp), unless `dump` is
+  // false: the failure is this rank's own ending of the group, not the call's.
+  void complete(std::exception_ptr error, bool dump = true);
 
  private:
   friend class WorkQueue;

@@ -298,6 +298,7 @@ void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout) {
 
 void EngineBackend::setTimeout(std::chrono::milliseconds timeout) {
   set_engines_timeout(engines_, checked_timeout(timeout, "setTimeout"));
+  calls_.set_timeout(timeout);
 }
 
 void EngineBackend::setSequenceNumberForGroup() {

@@ -37,6 +37,7 @@ NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, 
       nodes_(std::move(nodes)),
       local_(std::move(local)),
       leaders_(std::move(leaders)) {
+  calls_.set_timeout(timeout);
   try {
     validate_across_nodes(options_, nodes_);
   } catch (const std::invalid_argument& e) {

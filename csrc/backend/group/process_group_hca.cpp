@@ -42,6 +42,7 @@ ProcessGroupHCA::ProcessGroupHCA(const c10::intrusive_ptr<c10d::Store>& store, i
       cpu_executor_kind_(cpu_executor),
       store_(store) {
   raise_heap_thresholds();
+  calls_.set_timeout(timeout);
   if (!tables_.cpu.empty()) {
     TORCH_CHECK_VALUE(tables_.cpus_of_ranks.size() == static_cast<size_t>(size), "hca: CPU tables need the CPUs of each of ",
                       size, " ranks, got ", tables_.cpus_of_ranks.size());

@@ -132,7 +132,10 @@ class ProcessGroupHCA : public c10d::Backend {
   // peers that gave up).
   void check_usable(const char* op);
   // The timeout of later calls without one of their own (as gloo's).
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = checked_timeout(timeout, "setTimeout"); }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_ = checked_timeout(timeout, "setTimeout");
+    calls_.set_timeout(timeout);
+  }
   // destroy_process_group calls shutdown: what is queued runs to its end, then
   // the threads are joined and the segments unmapped, even if the group is
   // still referenced (a DDP model in scope); peers waiting on this rank learn

@@ -9,6 +9,18 @@ namespace {
 
 const char* op_text(c10d::OpType type) { return type == c10d::OpType::SEND ? "send" : "recv"; }
 
+// Whether `error` is this rank's own ending of the group (messages pending at its destroy):
+// no failure of the call's to write a Flight Recorder dump for.
+bool ended_here(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const Failure& e) {
+    return e.kind() == FailureKind::Unusable;
+  } catch (...) {
+    return false;
+  }
+}
+
 // The mailbox's errors as the Python exceptions torch users expect.
 std::exception_ptr as_torch_error(const std::exception_ptr& error, const char* op) {
   try {
@@ -79,7 +91,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
                            }
                          }
                          work->set_source(from);
-                         work->complete(error ? as_torch_error(error, op) : nullptr);
+                         work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
                        }};
   if (receives) {
     mailbox_->recv(std::move(message));
@@ -124,7 +136,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_stream_message(c10d::OpType
     message.ready = [call] { return call->passed_end(); };
     message.done = [work, kept, op](int from, std::exception_ptr error) {  // kept: the mailbox reads its staging
       work->set_source(from);
-      work->complete(error ? as_torch_error(error, op) : nullptr);
+      work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
     };
     mailbox_->send(std::move(message));
   } else {
@@ -140,7 +152,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_stream_message(c10d::OpType
         }
       }
       work->set_source(from);
-      work->complete(error ? as_torch_error(error, op) : nullptr);
+      work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
     };
     mailbox_->recv(std::move(message));
   }

@@ -1,0 +1,82 @@
+// hca's calls in torch's Flight Recorder, the ring of each process's last calls
+// (TORCH_FR_BUFFER_SIZE, 2000 unless set, 0: off) that torch's dump functions,
+// its debug server and `fr_trace` read, and that a failed call dumps through
+// torch's writer (TORCH_FR_DUMP_TEMP_FILE<rank>), as ProcessGroupNCCL does.
+//
+// torch exports no handle to its recorder before 2.15 (the instance is a
+// hidden function-local static of libtorch_cpu): hca finds it in libtorch_cpu's
+// symbol table and writes entries in the recorder's own layout, from the
+// recorder's header of the torch it was built against. From torch 2.15 torch's
+// own hook records every custom backend's calls, hca's among them, in a recorder
+// of backend "hca": hca records nothing itself there, and dumps that recorder.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
+#include <torch/csrc/distributed/c10d/logger.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace hca {
+
+using TorchFlightRecorder = c10d::FlightRecorder<c10::Event>;
+
+// The recorder hca's calls go to: torch's (nullptr where it cannot be reached
+// or is off), and in words where it is or why there is none.
+struct FlightRecorderPlace {
+  TorchFlightRecorder* recorder = nullptr;
+  std::string text;
+};
+// Found once a process, at its first group.
+const FlightRecorderPlace& flight_recorder();
+
+// One group's entries: its calls' sequence numbers, name and status, as torch's
+// dump and fr_trace read them.
+class FlightLog {
+ public:
+  // A call's entry, for its completion; no id where nothing was recorded.
+  struct Ticket {
+    std::optional<size_t> id;
+    size_t epoch = 0;
+    c10::time_t created = 0;
+    int64_t collective_seq = -1;
+  };
+  FlightLog();
+  // The group's ranks in the world (empty: the world itself) and this rank's place among them.
+  void set_global_ranks(const std::vector<int64_t>& ranks);
+  // Records a call of `backend` (its group's uid, description, rank and size): `op` as
+  // ProcessGroupNCCL's trace names it ("allreduce", "send", ...), `peer` a message's (-1: any source).
+  Ticket scheduled(const c10d::Backend& backend, const char* op, std::optional<int> peer,
+                   const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                   std::chrono::milliseconds timeout);
+  // The call ended well: completed (with its host time where it ran on the host),
+  // retired. `on_device`: its work was issued to a device stream, whose end the
+  // host does not see here: the entry says started, not completed (on every rank
+  // alike, which the analyzer compares).
+  void finished(const Ticket& ticket, bool on_device);
+
+ private:
+  TorchFlightRecorder* recorder_;
+  size_t pg_id_;
+  std::vector<int64_t> global_ranks_;
+  bool ranks_recorded_ = false;
+  std::shared_ptr<c10d::ProcessGroupStatus> status_;
+  std::atomic<size_t> collective_seq_{0};
+  std::atomic<size_t> p2p_seq_{0};
+  std::atomic<size_t> op_id_{0};
+};
+
+// `error` (a call's failure) once this process wrote torch's Flight Recorder
+// dump through torch's writer, the message then saying where; the first
+// failure of a process writes it, later ones name the same file. Unchanged
+// where the recorder is off or dumps on failure are (TORCH_FR_DUMP_ON_TIMEOUT=0).
+std::exception_ptr with_flight_recorder_dump(std::exception_ptr error);
+
+}  // namespace hca

@@ -1,0 +1,136 @@
+"""hca's calls in torch's Flight Recorder: entries field by field beside gloo's, each rank's dump
+when a call fails, and torch's analyzer over the dumps naming the rank that went astray."""
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import STREAMS_ENV, run_ranks
+
+EXECUTORS = [pytest.param({}, id="shm"), pytest.param(STREAMS_ENV, id="model")]
+RECORDING = {"TORCH_FR_BUFFER_SIZE": "100"}
+
+
+def _same_calls_on_hca_and_gloo(rank, world):
+    """The same calls on the world group (hca) and on a gloo group of every rank, then a message
+    on hca's; returns where hca records and the process's Flight Recorder dump."""
+    import torch_hca
+
+    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # the world's (run_ranks')
+    for group in (None, gloo):
+        t = torch.arange(6, dtype=torch.float32) + rank
+        for _ in range(3):
+            dist.all_reduce(t, group=group)
+        dist.broadcast(t, 0, group=group)
+        outputs = [torch.empty(2, 3, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(outputs, torch.full((2, 3), float(rank), dtype=torch.float64), group=group)
+    if world > 1 and rank < 2:
+        message = torch.ones(5, dtype=torch.int32)
+        dist.send(message, 1) if rank == 0 else dist.recv(message, 0)
+    dist.barrier(group=gloo)
+    return torch_hca._C._flight_recorder(), json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_call_is_entered_with_the_fields_gloo_enters(world, executor):
+    """Each rank's dump holds hca's calls in order, each with every field gloo's entry of the same call
+    has and the same sizes, dtypes and sequence numbers; hca's state is completed (on the model of the
+    device: at least started, its stream may still be at it), its group and ranks in the dump's config."""
+    results = run_ranks(_same_calls_on_hca_and_gloo, world, env={**RECORDING, **executor})
+    collectives = ["all_reduce"] * 3 + ["broadcast", "all_gather"]
+    for rank, (where, dump) in enumerate(results):
+        assert where.startswith("torch's"), where
+        hca = [e for e in dump["entries"] if e["profiling_name"].startswith("hca:")]
+        gloo = [e for e in dump["entries"] if e["profiling_name"].startswith("gloo:")][:len(collectives)]
+        message = {0: ["send 0->1"], 1: ["recv 1<-0"]}.get(rank, [])
+        assert [e["profiling_name"] for e in hca] == [f"hca:{c}" for c in collectives + message], hca
+        assert [e["profiling_name"] for e in gloo] == [f"gloo:{c}" for c in collectives], gloo
+        for ours, theirs in zip(hca, gloo):
+            assert set(theirs) <= set(ours), set(theirs) - set(ours)
+            for field in ("input_sizes", "output_sizes", "input_dtypes", "output_dtypes", "collective_seq_id",
+                          "p2p_seq_id", "op_id", "is_p2p", "timeout_ms", "thread_name"):
+                assert ours[field] == theirs[field], (field, ours, theirs)
+            assert ours["process_group"] == ["0", "default_pg"], ours
+            assert ours["retired"] is True
+            assert ours["state"] == "completed" if not executor else ours["state"] in ("started", "completed")
+            if ours["state"] == "completed":
+                assert 0 < ours["duration_ms"] < 60_000, ours
+        if message:
+            sent = hca[-1]
+            assert sent["is_p2p"] and sent["p2p_seq_id"] == 1 and sent["collective_seq_id"] == len(collectives)
+            assert sent["input_sizes"] == [[5]] and sent["input_dtypes"] == ["Int"], sent
+        assert dump["pg_config"]["0"] == {"name": "0", "desc": "default_pg", "ranks": str(list(range(world)))}
+        status = dump["pg_status"][str(hca[0]["pg_id"])]
+        assert status["last_enqueued_collective"] == str(len(collectives)), status
+        if not executor:
+            assert status["last_completed_collective"] == str(len(collectives)), status
+
+
+def _rank_1_astray(rank, world, folder, late_s):
+    """Four all-reduces and a broadcast, where rank 1 skips the third (`late_s` = 0: it goes on to the
+    next, and the fourth meets its broadcast), or comes `late_s` seconds late to it, past the timeout.
+    Returns the error, and the names of the folder's files once every rank has failed."""
+    t = torch.ones(4) * (rank + 1)
+    error = ""
+    try:
+        for i in range(4):
+            if rank == 1 and i == 2:
+                time.sleep(late_s)
+                if late_s == 0:
+                    continue
+            dist.all_reduce(t)
+        dist.broadcast(t, 0)
+    except dist.DistBackendError as e:
+        error = str(e)
+    return error
+
+
+def _analyzed(folder):
+    """What `python -m torch_hca.fr_trace` prints of the folder, run as a user runs it."""
+    done = subprocess.run([sys.executable, "-m", "torch_hca.fr_trace", folder, "-p", "trace_"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_skipped_collective_is_named_by_every_ranks_dump(world, executor, tmp_path):
+    """Rank 1 skips a collective: every rank raises, its message naming its dump, every rank's dump is
+    written through torch's writer, and torch's analyzer names rank 1 and the call where it went astray."""
+    env = {**RECORDING, **executor, "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_")}
+    errors = run_ranks(_rank_1_astray, world, str(tmp_path), 0, env=env, pg_timeout_s=20)
+    for rank, error in enumerate(errors):
+        assert "mismatched calls" in error, error
+        assert f"Flight Recorder dump of this rank: {tmp_path}/trace_{rank}" in error, error
+    assert sorted(os.listdir(tmp_path)) == [f"trace_{r}" for r in range(world)]
+    analysis = _analyzed(str(tmp_path))
+    assert "Collective sequence number: 4 has errors" in analysis, analysis
+    assert "collective: hca:all_reduce" in analysis, analysis
+    assert "Culprit rank 1" in analysis and "found collective type: 'broadcast'" in analysis, analysis
+
+
+def test_a_late_rank_s_timeout_writes_every_ranks_dump(tmp_path):
+    """Rank 1 comes past the timeout: rank 0 times out, rank 1 learns that it did; both dump and say where."""
+    env = {**RECORDING, "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_")}
+    errors = run_ranks(_rank_1_astray, 2, str(tmp_path), 4, env=env, pg_timeout_s=2)
+    assert "Timed out after 2000 ms waiting for rank 1" in errors[0], errors[0]
+    for rank, error in enumerate(errors):
+        assert f"Flight Recorder dump of this rank: {tmp_path}/trace_{rank}" in error, error
+    assert sorted(os.listdir(tmp_path)) == ["trace_0", "trace_1"]
+    _analyzed(str(tmp_path))  # reads both, though they agree call by call
+
+
+def test_with_the_recorder_off_nothing_is_entered_or_dumped(tmp_path):
+    env = {"TORCH_FR_BUFFER_SIZE": "0", "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "trace_")}
+    errors = run_ranks(_rank_1_astray, 2, str(tmp_path), 0, env=env, pg_timeout_s=20)
+    for error in errors:
+        assert "mismatched calls" in error and "Flight Recorder" not in error, error
+    assert os.listdir(tmp_path) == []
