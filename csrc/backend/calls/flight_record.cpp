@@ -196,7 +196,9 @@ void FlightLog::set_global_ranks(const std::vector<int64_t>& ranks) { global_ran
 FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char* op, std::optional<int> peer,
                                        const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
                                        std::chrono::milliseconds timeout) {
-  if (recorder_ == nullptr) return {};
+  // A group torch never named is one of hca's parts (a node's group inside the group across nodes):
+  // the call of the group it serves is the entry.
+  if (recorder_ == nullptr || backend.getGroupUid().empty()) return {};
   const int rank = backend.getRank();
   const int size = backend.getSize();
   const std::tuple<std::string, std::string> name{backend.getGroupUid(), backend.getGroupDesc()};
