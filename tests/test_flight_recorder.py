@@ -2,6 +2,7 @@
 when a call fails, and torch's analyzer over the dumps naming the rank that went astray."""
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -19,7 +20,8 @@ RECORDING = {"TORCH_FR_BUFFER_SIZE": "100"}
 
 def _same_calls_on_hca_and_gloo(rank, world):
     """The same calls on the world group (hca) and on a gloo group of every rank, then a message
-    on hca's; returns where hca records and the process's Flight Recorder dump."""
+    on hca's; returns where hca records, the process's Flight Recorder dump and the Python frames
+    its first entry names."""
     import torch_hca
 
     gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # the world's (run_ranks')
@@ -34,7 +36,9 @@ def _same_calls_on_hca_and_gloo(rank, world):
         message = torch.ones(5, dtype=torch.int32)
         dist.send(message, 1) if rank == 0 else dist.recv(message, 0)
     dist.barrier(group=gloo)
-    return torch_hca._C._flight_recorder(), json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+    pickled = pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, True, False))  # with stack traces
+    frames = [f["name"] for f in pickled["entries"][0]["frames"]]
+    return torch_hca._C._flight_recorder(), json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)), frames
 
 
 @pytest.mark.parametrize("executor", EXECUTORS)
@@ -45,8 +49,9 @@ def test_every_call_is_entered_with_the_fields_gloo_enters(world, executor):
     device: at least started, its stream may still be at it), its group and ranks in the dump's config."""
     results = run_ranks(_same_calls_on_hca_and_gloo, world, env={**RECORDING, **executor})
     collectives = ["all_reduce"] * 3 + ["broadcast", "all_gather"]
-    for rank, (where, dump) in enumerate(results):
+    for rank, (where, dump, frames) in enumerate(results):
         assert where.startswith("torch's"), where
+        assert frames[:2] == ["all_reduce", "wrapper"] and "_same_calls_on_hca_and_gloo" in frames, frames
         hca = [e for e in dump["entries"] if e["profiling_name"].startswith("hca:")]
         gloo = [e for e in dump["entries"] if e["profiling_name"].startswith("gloo:")][:len(collectives)]
         message = {0: ["send 0->1"], 1: ["recv 1<-0"]}.get(rank, [])
