@@ -198,11 +198,13 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char*
                                        std::chrono::milliseconds timeout) {
   // A group torch never named is one of hca's parts (a node's group inside the group across nodes):
   // the call of the group it serves is the entry.
-  if (recorder_ == nullptr || backend.getGroupUid().empty()) return {};
+  if (backend.getGroupUid().empty()) return {};
   const int rank = backend.getRank();
+  g_global_rank.store(global_ranks_.empty() ? rank : static_cast<int>(global_ranks_.at(rank)),
+                      std::memory_order_relaxed);  // names the dump, also where torch's hook records
+  if (recorder_ == nullptr) return {};
   const int size = backend.getSize();
   const std::tuple<std::string, std::string> name{backend.getGroupUid(), backend.getGroupDesc()};
-  g_global_rank = global_ranks_.empty() ? rank : static_cast<int>(global_ranks_.at(rank));
   TorchFlightRecorder::Entry entry{};
   entry.pg_id_ = pg_id_;
   entry.pg_name_ = name;
