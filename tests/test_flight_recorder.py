@@ -141,3 +141,30 @@ def test_with_the_recorder_off_nothing_is_entered_or_dumped(tmp_path):
     for error in errors:
         assert "mismatched calls" in error and "Flight Recorder" not in error, error
     assert os.listdir(tmp_path) == []
+
+
+def _cuda_calls(rank, world):
+    """Three all-reduces and a broadcast of CUDA tensors (ranks share the GPUs round-robin); the dump's
+    hca entries and the results, checked once the device is done."""
+    from reference import rank_device
+
+    device = rank_device("cuda", rank)
+    t = torch.arange(6, dtype=torch.float32, device=device) + rank
+    for _ in range(3):
+        dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    torch.cuda.synchronize()
+    dump = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+    return [e for e in dump["entries"] if e["profiling_name"].startswith("hca:")], t.cpu()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_calls_are_entered_started(world):
+    """On a GPU each call is entered once its work is on the stream, `started` on every rank alike."""
+    expected = torch.arange(6, dtype=torch.float32) * world + sum(range(world))
+    expected = expected * world ** 2  # the second and third all-reduce of the same sums
+    for entries, result in run_ranks(_cuda_calls, world, env=RECORDING):
+        assert [e["profiling_name"] for e in entries] == ["hca:all_reduce"] * 3 + ["hca:broadcast"], entries
+        assert all(e["state"] == "started" and e["retired"] and e["input_sizes"] == [[6]] for e in entries), entries
+        assert torch.equal(result, expected), (result, expected)

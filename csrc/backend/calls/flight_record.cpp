@@ -12,6 +12,12 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+// The recorder's layout and dump functions hca writes to and calls are those of torch 2.13 on.
+#define HCA_FLIGHT_RECORDER (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
+#if HCA_FLIGHT_RECORDER
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <mutex>
@@ -19,7 +25,17 @@
 #include <type_traits>
 
 namespace hca {
+#if HCA_FLIGHT_RECORDER
 namespace {
+
+using TorchFlightRecorder = c10d::FlightRecorder<c10::Event>;
+
+// torch's recorder hca enters calls in (nullptr: none), and in words where or why none.
+struct Found {
+  TorchFlightRecorder* recorder = nullptr;
+  std::string text;
+};
+const Found& torch_recorder();
 
 // This process's rank in the world, which names its dump file (the last group's call says it).
 std::atomic<int> g_global_rank{0};
@@ -33,7 +49,7 @@ bool dumps_on_failure() {
 #if HCA_TORCH_HOOKS_RECORD
   const bool recording = c10d::getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000) > 0;
 #else
-  const bool recording = flight_recorder().recorder != nullptr;
+  const bool recording = torch_recorder().recorder != nullptr;
 #endif
   return recording && c10d::getCvarBool({"TORCH_FR_DUMP_ON_TIMEOUT", "TORCH_NCCL_DUMP_ON_TIMEOUT"}, true);
 }
@@ -128,7 +144,7 @@ std::optional<uint64_t> pointer_symbol(const std::string& path, const char* name
   return value;
 }
 
-FlightRecorderPlace find_flight_recorder() {
+Found find_torch_recorder() {
 #if HCA_TORCH_HOOKS_RECORD
   return {nullptr, "torch's own hook (its recorder of backend \"hca\")"};
 #else
@@ -179,17 +195,34 @@ std::string analyzer_name(const char* op) {
   return op;
 }
 
+const Found& torch_recorder() {
+  static const Found found = find_torch_recorder();
+  return found;
+}
+
 }  // namespace
 
 const FlightRecorderPlace& flight_recorder() {
-  static const FlightRecorderPlace place = find_flight_recorder();
+  static const FlightRecorderPlace place{torch_recorder().recorder != nullptr, torch_recorder().text};
   return place;
 }
 
-FlightLog::FlightLog() : recorder_(flight_recorder().recorder), status_(std::make_shared<c10d::ProcessGroupStatus>()) {
+struct FlightLog::Group {
+  TorchFlightRecorder* recorder;
+  size_t pg_id;
+  bool ranks_recorded = false;  // with the recorder's lock
+  std::shared_ptr<c10d::ProcessGroupStatus> status = std::make_shared<c10d::ProcessGroupStatus>();
+  std::atomic<size_t> collective_seq{0};
+  std::atomic<size_t> p2p_seq{0};
+  std::atomic<size_t> op_id{0};
+};
+
+FlightLog::FlightLog() {
   static std::atomic<size_t> groups{0};
-  pg_id_ = groups++;
+  if (auto* recorder = torch_recorder().recorder) group_.reset(new Group{recorder, groups++});
 }
+
+FlightLog::~FlightLog() = default;
 
 void FlightLog::set_global_ranks(const std::vector<int64_t>& ranks) { global_ranks_ = ranks; }
 
@@ -202,23 +235,24 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char*
   const int rank = backend.getRank();
   g_global_rank.store(global_ranks_.empty() ? rank : static_cast<int>(global_ranks_.at(rank)),
                       std::memory_order_relaxed);  // names the dump, also where torch's hook records
-  if (recorder_ == nullptr) return {};
+  if (!group_) return {};
+  auto& g = *group_;
   const int size = backend.getSize();
   const std::tuple<std::string, std::string> name{backend.getGroupUid(), backend.getGroupDesc()};
   TorchFlightRecorder::Entry entry{};
-  entry.pg_id_ = pg_id_;
+  entry.pg_id_ = g.pg_id;
   entry.pg_name_ = name;
   const bool p2p = peer.has_value();
   entry.isP2P_ = p2p;
-  entry.collective_seq_id_ = p2p ? collective_seq_.load() : ++collective_seq_;
-  entry.p2p_seq_id_ = p2p ? ++p2p_seq_ : p2p_seq_.load();
-  entry.op_id_ = ++op_id_;
+  entry.collective_seq_id_ = p2p ? g.collective_seq.load() : ++g.collective_seq;
+  entry.p2p_seq_id_ = p2p ? ++g.p2p_seq : g.p2p_seq.load();
+  entry.op_id_ = ++g.op_id;
   entry.profiling_name_ = "hca:" + analyzer_name(op);
   if (p2p) {
     const bool send = std::strcmp(op, "send") == 0;
     entry.profiling_name_ += " " + std::to_string(rank) + (send ? "->" : "<-") + std::to_string(*peer);
   }
-  entry.traceback_ = torch::CapturedTraceback::gather(true, true, recorder_->capture_cpp_stack_);
+  entry.traceback_ = torch::CapturedTraceback::gather(true, true, g.recorder->capture_cpp_stack_);
   entry.start_ = entry.end_ = nullptr;
   entry.time_created_ = c10::getTime();
   entry.timeout_ms_ = timeout.count();
@@ -254,34 +288,35 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char*
   thread_local const std::string thread_name = c10::getThreadName();
   entry.thread_name_ = thread_name;
   Ticket ticket{std::nullopt, 0, entry.time_created_, p2p ? -1 : static_cast<int64_t>(entry.collective_seq_id_)};
-  std::lock_guard<std::mutex> lock(recorder_->mutex_);
-  if (!ranks_recorded_) {
+  std::lock_guard<std::mutex> lock(g.recorder->mutex_);
+  if (!g.ranks_recorded) {
     std::vector<uint64_t> ranks;
     for (int r = 0; r < size; ++r) ranks.push_back(global_ranks_.empty() ? r : global_ranks_.at(r));
-    recorder_->pg_name_to_ranks_[name] = std::move(ranks);
-    recorder_->all_pg_status_[pg_id_] = status_;
-    ranks_recorded_ = true;
+    g.recorder->pg_name_to_ranks_[name] = std::move(ranks);
+    g.recorder->all_pg_status_[g.pg_id] = g.status;
+    g.ranks_recorded = true;
   }
   if constexpr (HasResetEpochs<TorchFlightRecorder>::value) {
-    entry.reset_epoch_ = ticket.epoch = recorder_->reset_epoch_;
+    entry.reset_epoch_ = ticket.epoch = g.recorder->reset_epoch_;
   }
-  ticket.id = entry.id_ = recorder_->id_++;
-  if (recorder_->entries_.size() < recorder_->max_entries_) {
-    recorder_->entries_.emplace_back(std::move(entry));
+  ticket.id = entry.id_ = g.recorder->id_++;
+  if (g.recorder->entries_.size() < g.recorder->max_entries_) {
+    g.recorder->entries_.emplace_back(std::move(entry));
   } else {
-    recorder_->entries_[recorder_->next_] = std::move(entry);
+    g.recorder->entries_[g.recorder->next_] = std::move(entry);
   }
-  if (++recorder_->next_ == recorder_->max_entries_) recorder_->next_ = 0;
-  if (ticket.collective_seq >= 0) status_->lastEnqueuedSeq = ticket.collective_seq;
+  if (++g.recorder->next_ == g.recorder->max_entries_) g.recorder->next_ = 0;
+  if (ticket.collective_seq >= 0) g.status->lastEnqueuedSeq = ticket.collective_seq;
   return ticket;
 }
 
 void FlightLog::finished(const Ticket& ticket, bool on_device) {
-  if (recorder_ == nullptr || !ticket.id) return;
+  if (!group_ || !ticket.id) return;
+  auto& g = *group_;
   const auto now = c10::getTime();
-  std::lock_guard<std::mutex> lock(recorder_->mutex_);
-  if (recorder_->entries_.empty()) return;
-  auto& entry = recorder_->entries_.at(slot_of(*recorder_, *ticket.id, ticket.epoch));
+  std::lock_guard<std::mutex> lock(g.recorder->mutex_);
+  if (g.recorder->entries_.empty()) return;
+  auto& entry = g.recorder->entries_.at(slot_of(*g.recorder, *ticket.id, ticket.epoch));
   if (entry.id_ != *ticket.id) return;  // the ring has moved past it
   if constexpr (HasResetEpochs<TorchFlightRecorder>::value) {
     if (entry.reset_epoch_ != ticket.epoch) return;
@@ -290,9 +325,9 @@ void FlightLog::finished(const Ticket& ticket, bool on_device) {
   if (!on_device) {
     entry.time_discovered_completed_ = now;
     entry.duration_ = static_cast<float>(now - ticket.created) / 1e6f;
-    if (ticket.collective_seq >= 0) status_->lastCompletedSeq = ticket.collective_seq;
+    if (ticket.collective_seq >= 0) g.status->lastCompletedSeq = ticket.collective_seq;
   }
-  if (ticket.collective_seq >= 0) status_->lastStartedSeq = ticket.collective_seq;
+  if (ticket.collective_seq >= 0) g.status->lastStartedSeq = ticket.collective_seq;
   entry.retired_ = true;
 }
 
@@ -323,4 +358,24 @@ std::exception_ptr with_flight_recorder_dump(std::exception_ptr error) {
   return error;
 }
 
+#else  // torch before 2.13: no entries, no dumps
+
+const FlightRecorderPlace& flight_recorder() {
+  static const FlightRecorderPlace place{false, "not recording: torch before 2.13"};
+  return place;
+}
+
+struct FlightLog::Group {};
+FlightLog::FlightLog() = default;
+FlightLog::~FlightLog() = default;
+void FlightLog::set_global_ranks(const std::vector<int64_t>& ranks) { global_ranks_ = ranks; }
+FlightLog::Ticket FlightLog::scheduled(const c10d::Backend&, const char*, std::optional<int>,
+                                       const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                                       std::chrono::milliseconds) {
+  return {};
+}
+void FlightLog::finished(const Ticket&, bool) {}
+std::exception_ptr with_flight_recorder_dump(std::exception_ptr error) { return error; }
+
+#endif
 }  // namespace hca

@@ -9,11 +9,11 @@
 // recorder's header of the torch it was built against. From torch 2.15 torch's
 // own hook records every custom backend's calls, hca's among them, in a recorder
 // of backend "hca": hca records nothing itself there, and dumps that recorder.
+// Before torch 2.13 (whose recorder's layout this build was not checked against)
+// hca neither records nor dumps.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
-#include <torch/csrc/distributed/c10d/logger.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -26,12 +26,10 @@
 
 namespace hca {
 
-using TorchFlightRecorder = c10d::FlightRecorder<c10::Event>;
-
-// The recorder hca's calls go to: torch's (nullptr where it cannot be reached
-// or is off), and in words where it is or why there is none.
+// Where hca's calls go: whether hca enters them in torch's recorder itself, and
+// in words where they go or why nowhere.
 struct FlightRecorderPlace {
-  TorchFlightRecorder* recorder = nullptr;
+  bool recording = false;
   std::string text;
 };
 // Found once a process, at its first group.
@@ -45,10 +43,11 @@ class FlightLog {
   struct Ticket {
     std::optional<size_t> id;
     size_t epoch = 0;
-    c10::time_t created = 0;
+    int64_t created = 0;  // c10::getTime()
     int64_t collective_seq = -1;
   };
   FlightLog();
+  ~FlightLog();
   // The group's ranks in the world (empty: the world itself) and this rank's place among them.
   void set_global_ranks(const std::vector<int64_t>& ranks);
   // Records a call of `backend` (its group's uid, description, rank and size): `op` as
@@ -63,14 +62,10 @@ class FlightLog {
   void finished(const Ticket& ticket, bool on_device);
 
  private:
-  TorchFlightRecorder* recorder_;
-  size_t pg_id_;
   std::vector<int64_t> global_ranks_;
-  bool ranks_recorded_ = false;
-  std::shared_ptr<c10d::ProcessGroupStatus> status_;
-  std::atomic<size_t> collective_seq_{0};
-  std::atomic<size_t> p2p_seq_{0};
-  std::atomic<size_t> op_id_{0};
+  // The group's place in torch's recorder (flight_record.cpp); null where hca does not record.
+  struct Group;
+  std::unique_ptr<Group> group_;
 };
 
 // `error` (a call's failure) once this process wrote torch's Flight Recorder
