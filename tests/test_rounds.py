@@ -2,8 +2,9 @@
 
 The simulator below follows the round runner's rules with nothing but the plan's roles and
 rounds: a rank stages only where its role says so, reads its input in its fused step, takes its
-result at its last incoming edge, and pieces of a round share one slot. If a role were wrong
-(a rank that must stage but does not, a result taken too early), the sums below would be wrong."""
+result at its last incoming edge, reads only slots whose role names it a reader, and pieces of a
+round share one slot. If a role were wrong (a rank that must stage but does not, a result taken
+too early, a reader missing, for whom a slot's reuse would not wait), the checks below would fail."""
 import pytest
 import torch
 
@@ -43,6 +44,8 @@ def _run_rounds(plan, world, inputs):
                 before = [x.clone() for x in slot]
                 for dst in {d for _, _, d in step}:
                     edges = [(kind, src) for kind, src, d in step if d == dst]
+                    # A rank reuses its slot after waiting for its readers alone: every read is theirs.
+                    assert all(dst in plan.roles[src][pack]["readers"] for _, src in edges), (pack, s, dst)
                     if edges[0][0] == "copy":
                         slot[dst][at] = before[edges[0][1]][at]
                         continue
@@ -90,8 +93,8 @@ def test_roles_of_hierarchical_copy():
     plan = torch_hca.explain(3, num_packs=3, numels=[9])
     # Pack 1 on 3 ranks, one group: 0 and 2 reduce into 1, which copies back.
     leader, member = plan.roles[1][1], plan.roles[0][1]
-    assert leader == dict(stages=False, fused_step=0, result=True, last_in=0, direct=False)
-    assert member == dict(stages=True, fused_step=-1, result=True, last_in=1, direct=True)
+    assert leader == dict(stages=False, fused_step=0, result=True, last_in=0, direct=False, readers=[0, 2])
+    assert member == dict(stages=True, fused_step=-1, result=True, last_in=1, direct=True, readers=[1])
     assert "rank 1: pack 0 (stages, result at step 2 (copied straight out)), pack 1 (reads its input at step 1" \
         in str(plan)
 
@@ -103,7 +106,9 @@ def test_roles_of_direct():
     for pack in plan.packs:
         assert pack["steps"] == [[("reduce", src, dst) for dst in range(3) for src in range(3) if src != dst]]
     for rank in range(3):
-        assert plan.roles[rank] == [dict(stages=True, fused_step=-1, result=True, last_in=0, direct=False)] * 2
+        peers = [r for r in range(3) if r != rank]
+        assert plan.roles[rank] == [dict(stages=True, fused_step=-1, result=True, last_in=0, direct=False,
+                                         readers=peers)] * 2
     assert "step 1: reduce 1->0, reduce 2->0, reduce 0->1, reduce 2->1, reduce 0->2, reduce 1->2" in str(plan)
 
 

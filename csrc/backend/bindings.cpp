@@ -111,6 +111,7 @@ py::list roles_to_python(const std::vector<PackPlan>& plan, int world) {
       d["result"] = role.result;
       d["last_in"] = role.last_in;
       d["direct"] = role.direct;
+      d["readers"] = role.readers;
       roles.append(d);
     }
     ranks.append(roles);

@@ -20,7 +20,10 @@ Role role_of(const Schedule& schedule, int rank) {
         first_is_src = first_is_src || e.src == rank;
         first_is_reduce = first_is_reduce || (e.dst == rank && e.kind == EdgeKind::Reduce);
       }
-      if (e.src == rank) last_out = static_cast<int>(s);
+      if (e.src == rank) {
+        last_out = static_cast<int>(s);
+        role.readers.push_back(e.dst);
+      }
       if (e.dst == rank) {
         role.last_in = static_cast<int>(s);
         last_in_is_copy = e.kind == EdgeKind::Copy;
@@ -32,6 +35,8 @@ Role role_of(const Schedule& schedule, int rank) {
   role.stages = first_is_src;
   if (!first_is_src && first_is_reduce) role.fused_step = first;
   role.direct = role.result && last_in_is_copy && last_out < role.last_in;
+  std::sort(role.readers.begin(), role.readers.end());
+  role.readers.erase(std::unique(role.readers.begin(), role.readers.end()), role.readers.end());
   return role;
 }
 

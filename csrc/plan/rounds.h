@@ -17,6 +17,7 @@ struct Role {
   bool result = false;   // its output must end with the result
   int last_in = -1;      // the step of its last incoming edge: it writes its output then
   bool direct = false;   // that last edge is a Copy that lands straight in the output
+  std::vector<int> readers;  // the ranks that read its slot (its edges' destinations), ascending
 };
 
 Role role_of(const Schedule& schedule, int rank);

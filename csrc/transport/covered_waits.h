@@ -1,8 +1,9 @@
-// The waits of one collective on one stream that it still has to issue: a
-// wait for a peer's word to reach a value that an earlier wait on the same
-// stream already covered passes at once, and on a GPU shared by several
-// processes every wait issued may cost a switch between them. Used by the
-// stream medium and by the dry run that counts a call's waits (explain).
+// The waits on one stream that still have to be issued: a wait for a peer's
+// word to reach a value that an earlier wait on the same stream (of this
+// collective or an earlier one) already covered passes at once, and on a GPU
+// shared by several processes every wait issued may cost a switch between
+// them. Used by the stream medium and by the dry run that counts a call's
+// waits (explain).
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -15,7 +16,7 @@ namespace hca {
 class CoveredWaits {
  public:
   explicit CoveredWaits(int world) : covered_(world, 0), any_(world, false) {}
-  // A new collective (on any stream): nothing is covered.
+  // Another stream: nothing is covered.
   void reset() { std::fill(any_.begin(), any_.end(), false); }
   // Whether a wait for `peer`'s word to reach `at_least` is still needed; if so,
   // it counts as issued from now on.

@@ -48,7 +48,9 @@ void RoundRunner::read_plan(const Collective& collective) {
 size_t RoundRunner::stage_ahead(const Collective& collective, const std::function<bool()>& waiting) {
   read_plan(collective);
   size_t staged = 0;
-  while (staged < cut_.size() && waiting() && slot_free_now(rounds_ + staged + 1)) {
+  // Rounds past the ring's length would reuse a slot of this very call, whose readers are not known yet.
+  const size_t most = std::min(cut_.size(), static_cast<size_t>(medium_.slots()));
+  while (staged < most && waiting() && slot_free_now(rounds_ + staged + 1)) {
     const uint64_t round = rounds_ + staged + 1;
     stage_inputs({collective, cut_[staged], roles_, round, medium_.staging(rank_, round), 1});
     ++staged;
@@ -68,6 +70,7 @@ void RoundRunner::run(const Collective& collective, const WaitContext& ctx, size
       reuse_slot(round, ctx);
       stage_inputs(state);
     }
+    note_readers(round, pieces);
     medium_.signal(progress_value(round, 1));
     size_t steps = 0;
     for (const Piece& piece : pieces) steps = std::max(steps, plan[piece.pack].schedule.steps.size());
@@ -86,17 +89,45 @@ uint32_t RoundRunner::slot_released_at(uint64_t round) const {
   return round <= slots ? 0 : progress_value(round - slots + 1, 1);
 }
 
+const std::vector<int>& RoundRunner::slot_readers(uint64_t round) const {
+  const uint64_t slots = static_cast<uint64_t>(medium_.slots()), last = round - slots;
+  const size_t slot = static_cast<size_t>(round % slots);
+  if (slot < slot_round_.size() && slot_round_[slot] == last) return slot_readers_[slot];
+  return every_peer_;  // not noted (cannot happen in order): wait for everyone
+}
+
+void RoundRunner::note_readers(uint64_t round, const Round& pieces) {
+  const size_t slots = static_cast<size_t>(medium_.slots()), slot = static_cast<size_t>(round % slots);
+  if (slot_round_.size() != slots) {
+    slot_round_.assign(slots, 0);
+    slot_readers_.assign(slots, {});
+    every_peer_.clear();
+    for (int peer = 0; peer < world_; ++peer) {
+      if (peer != rank_) every_peer_.push_back(peer);
+    }
+  }
+  auto& readers = slot_readers_[slot];
+  readers.clear();
+  for (const Piece& piece : pieces) {
+    const auto& more = roles_[piece.pack].readers;
+    readers.insert(readers.end(), more.begin(), more.end());
+  }
+  std::sort(readers.begin(), readers.end());
+  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  slot_round_[slot] = round;
+}
+
 void RoundRunner::reuse_slot(uint64_t round, const WaitContext& ctx) {
   const uint32_t released = slot_released_at(round);
-  for (int peer = 0; released != 0 && peer < world_; ++peer) {
-    if (peer != rank_) medium_.wait(peer, released, ctx);
-  }
+  if (released == 0) return;
+  for (int peer : slot_readers(round)) medium_.wait(peer, released, ctx);
 }
 
 bool RoundRunner::slot_free_now(uint64_t round) const {
   const uint32_t released = slot_released_at(round);
-  for (int peer = 0; released != 0 && peer < world_; ++peer) {
-    if (peer != rank_ && !medium_.reached_now(peer, released)) return false;
+  if (released == 0) return true;
+  for (int peer : slot_readers(round)) {
+    if (!medium_.reached_now(peer, released)) return false;
   }
   return true;
 }

@@ -1,7 +1,8 @@
 // Executes plans round by round over any Medium. Each rank stages its data in
 // its own slot; a Reduce or Copy edge src->dst is carried out by dst, which
 // reads src's slot once src's progress word says the step is done. A slot is
-// reused only after every peer has moved past the round that last filled it.
+// reused only after the peers that read it in the round that last filled it
+// have moved past that round: a peer that never reads it is never waited for.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -39,6 +40,9 @@ class RoundRunner {
   // `round` (0: the slot was never used), which reuse_slot waits for and
   // slot_free_now looks at.
   uint32_t slot_released_at(uint64_t round) const;
+  // The peers that read this rank's slot for `round` in the round that last filled it.
+  const std::vector<int>& slot_readers(uint64_t round) const;
+  void note_readers(uint64_t round, const Round& pieces);
   void reuse_slot(uint64_t round, const WaitContext& ctx);
   bool slot_free_now(uint64_t round) const;
   void stage_inputs(const RoundState& state);
@@ -55,6 +59,10 @@ class RoundRunner {
   std::vector<Round> cut_;
   std::vector<const void*> sources_, at_span_;
   std::vector<int> source_ranks_;  // whose slots sources_ point into, in the same order
+  // Per slot of the ring: the round that last filled it and who read it then.
+  std::vector<uint64_t> slot_round_;
+  std::vector<std::vector<int>> slot_readers_;
+  std::vector<int> every_peer_;
 };
 
 }  // namespace hca

@@ -20,13 +20,15 @@ from ..options import Options, cuda_chunk_bytes, cuda_slots, shm_chunk_bytes, sh
 class Plan:
     """packs: one dict per pack (index, dtype, numel, segments, steps, result_ranks);
     each step is a list of (kind, src, dst) edges, kind being "reduce" or "copy".
-    roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct).
+    roles[rank][pack]: what that rank does for the pack (stages, fused_step, result, last_in, direct)
+    and who reads its slot (readers: the ranks its slot's reuse waits for).
     rounds: the pieces (pack, begin, count, byte offset) each round stages in a slot of `slot_bytes`.
     predicted_us: where hca chose per call, the cost model's time for each candidate left open
     (of "one_pack", "pack_per_rank", "reduce_to_one_device", "direct"); chosen: the one the call got;
     cost_model: that model (its lines and where they came from).
     peer_waits: per rank, the waits on peers' progress words its stream issues for one such call once
-    the group has used every staging slot (on a GPU that processes share, each a switch between
+    the group has used every staging slot, repeating the call on the group's stream (where a wait of
+    the call before covers one of this call's; on a GPU that processes share, each a switch between
     them unless the peer is already past it)."""
 
     packs: List[dict]

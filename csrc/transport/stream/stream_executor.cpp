@@ -22,10 +22,11 @@ class StreamMedium final : public Medium {
  public:
   StreamMedium(StreamDevice& device, int rank, int world, RingLayout ring)
       : device_(device), rank_(rank), ring_(ring), awaited_(world, 0), covered_(world) {}
-  // Each collective's operations go on its stream; its waits start uncovered.
+  // Each collective's operations go on its stream. A wait issued on the same stream by an
+  // earlier collective still covers (stream order); on another stream nothing is covered.
   void set_stream(StreamDevice::Stream stream) {
+    if (stream != stream_) covered_.reset();
     stream_ = stream;
-    covered_.reset();
   }
   // The highest value issued waits expect of each peer's word.
   const std::vector<uint32_t>& awaited() const { return awaited_; }
