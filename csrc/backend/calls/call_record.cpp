@@ -15,7 +15,6 @@ std::vector<at::Tensor> flattened(const std::vector<std::vector<at::Tensor>>& li
 
 void CallRecorder::set_global_ranks(const std::vector<int64_t>& ranks) {
   global_ranks_ = ranks;
-  flight_->set_global_ranks(ranks);
   rank_start_ = ranks.empty() ? 0 : static_cast<int>(ranks[0]);
   rank_stride_ = ranks.size() > 1 ? static_cast<int>(ranks[1] - ranks[0]) : 1;
   for (size_t i = 1; i < ranks.size(); ++i) {

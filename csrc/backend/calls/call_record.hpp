@@ -70,7 +70,7 @@ class CallRecorder {
   c10::intrusive_ptr<c10d::Work> operator()(const c10d::Backend& backend, const CommsCall& call, bool async_op,
                                             Issue&& issue) {
     mark_handed_on();
-    const auto entry = flight_->scheduled(backend, call.name, call.peer, call.inputs, call.outputs,
+    const auto entry = flight_->scheduled(backend, global_ranks_, call.name, call.peer, call.inputs, call.outputs,
                                           std::chrono::milliseconds(timeout_ms_.load()));
     const bool device_tensors = entry.id && on_a_device(call);  // before `issue` may move the tensors
     if (!at::hasCallbacks()) return counted(followed(entry, device_tensors, issue()));

@@ -12,6 +12,8 @@
 #include <torch/version.h>
 #include <unistd.h>
 
+#include <string_view>
+
 // The recorder's layout and dump functions hca writes to and calls are those of torch 2.13 on.
 #define HCA_FLIGHT_RECORDER (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13))
 #if HCA_FLIGHT_RECORDER
@@ -224,16 +226,14 @@ FlightLog::FlightLog() {
 
 FlightLog::~FlightLog() = default;
 
-void FlightLog::set_global_ranks(const std::vector<int64_t>& ranks) { global_ranks_ = ranks; }
-
-FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char* op, std::optional<int> peer,
-                                       const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                                       std::chrono::milliseconds timeout) {
+FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::vector<int64_t>& global_ranks,
+                                       const char* op, std::optional<int> peer, const std::vector<at::Tensor>& inputs,
+                                       const std::vector<at::Tensor>& outputs, std::chrono::milliseconds timeout) {
   // A group torch never named is one of hca's parts (a node's group inside the group across nodes):
   // the call of the group it serves is the entry.
   if (backend.getGroupUid().empty()) return {};
   const int rank = backend.getRank();
-  g_global_rank.store(global_ranks_.empty() ? rank : static_cast<int>(global_ranks_.at(rank)),
+  g_global_rank.store(global_ranks.empty() ? rank : static_cast<int>(global_ranks.at(rank)),
                       std::memory_order_relaxed);  // names the dump, also where torch's hook records
   if (!group_) return {};
   auto& g = *group_;
@@ -259,15 +259,14 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char*
   // An in-place call's inputs are its outputs: the same list, entered twice. A list of one tensor
   // a rank is entered as that one stacked (gloo's and ProcessGroupNCCL's shape, which the analyzer
   // checks: an all-gather's output holds the input's elements times the group's size).
-  const auto listed = [&](bool in) {
-    const std::string name = op;
-    return in ? (name == "reduce_scatter" || name == "scatter") : (name == "all_gather" || name == "gather");
-  };
+  const std::string_view name_of_op = op;
+  const bool inputs_listed = name_of_op == "reduce_scatter" || name_of_op == "scatter";
+  const bool outputs_listed = name_of_op == "all_gather" || name_of_op == "gather";
   for (const bool in : {true, false}) {
     auto& dims = in ? entry.input_dims_ : entry.output_dims_;
     auto& dtypes = in ? entry.input_dtypes_ : entry.output_dtypes_;
     const auto& tensors = in ? inputs : outputs;
-    const bool stacked = listed(in) && tensors.size() > 1 && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
+    const bool stacked = (in ? inputs_listed : outputs_listed) && tensors.size() > 1 && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
       return t.defined() && t.sizes() == tensors[0].sizes() && t.scalar_type() == tensors[0].scalar_type();
     });
     if (stacked) {
@@ -291,7 +290,7 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const char*
   std::lock_guard<std::mutex> lock(g.recorder->mutex_);
   if (!g.ranks_recorded) {
     std::vector<uint64_t> ranks;
-    for (int r = 0; r < size; ++r) ranks.push_back(global_ranks_.empty() ? r : global_ranks_.at(r));
+    for (int r = 0; r < size; ++r) ranks.push_back(global_ranks.empty() ? r : global_ranks.at(r));
     g.recorder->pg_name_to_ranks_[name] = std::move(ranks);
     g.recorder->all_pg_status_[g.pg_id] = g.status;
     g.ranks_recorded = true;
@@ -368,10 +367,9 @@ const FlightRecorderPlace& flight_recorder() {
 struct FlightLog::Group {};
 FlightLog::FlightLog() = default;
 FlightLog::~FlightLog() = default;
-void FlightLog::set_global_ranks(const std::vector<int64_t>& ranks) { global_ranks_ = ranks; }
-FlightLog::Ticket FlightLog::scheduled(const c10d::Backend&, const char*, std::optional<int>,
-                                       const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
-                                       std::chrono::milliseconds) {
+FlightLog::Ticket FlightLog::scheduled(const c10d::Backend&, const std::vector<int64_t>&, const char*,
+                                       std::optional<int>, const std::vector<at::Tensor>&,
+                                       const std::vector<at::Tensor>&, std::chrono::milliseconds) {
   return {};
 }
 void FlightLog::finished(const Ticket&, bool) {}

@@ -48,13 +48,12 @@ class FlightLog {
   };
   FlightLog();
   ~FlightLog();
-  // The group's ranks in the world (empty: the world itself) and this rank's place among them.
-  void set_global_ranks(const std::vector<int64_t>& ranks);
-  // Records a call of `backend` (its group's uid, description, rank and size): `op` as
-  // ProcessGroupNCCL's trace names it ("allreduce", "send", ...), `peer` a message's (-1: any source).
-  Ticket scheduled(const c10d::Backend& backend, const char* op, std::optional<int> peer,
-                   const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
-                   std::chrono::milliseconds timeout);
+  // Records a call of `backend` (its group's uid, description, rank and size; `global_ranks`
+  // its ranks in the world, empty: the world itself): `op` as ProcessGroupNCCL's trace names it
+  // ("allreduce", "send", ...), `peer` a message's (-1: any source).
+  Ticket scheduled(const c10d::Backend& backend, const std::vector<int64_t>& global_ranks, const char* op,
+                   std::optional<int> peer, const std::vector<at::Tensor>& inputs,
+                   const std::vector<at::Tensor>& outputs, std::chrono::milliseconds timeout);
   // The call ended well: completed (with its host time where it ran on the host),
   // retired. `on_device`: its work was issued to a device stream, whose end the
   // host does not see here: the entry says started, not completed (on every rank
@@ -62,7 +61,6 @@ class FlightLog {
   void finished(const Ticket& ticket, bool on_device);
 
  private:
-  std::vector<int64_t> global_ranks_;
   // The group's place in torch's recorder (flight_record.cpp); null where hca does not record.
   struct Group;
   std::unique_ptr<Group> group_;

@@ -9,36 +9,25 @@ namespace {
 
 const char* op_text(c10d::OpType type) { return type == c10d::OpType::SEND ? "send" : "recv"; }
 
-// Whether `error` is this rank's own ending of the group (messages pending at its destroy):
-// no failure of the call's to write a Flight Recorder dump for.
-bool ended_here(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const Failure& e) {
-    return e.kind() == FailureKind::Unusable;
-  } catch (...) {
-    return false;
-  }
-}
-
-// The mailbox's errors as the Python exceptions torch users expect.
-std::exception_ptr as_torch_error(const std::exception_ptr& error, const char* op) {
+// Ends a message's Work: from `from`, with the mailbox's error (if any) as the Python exception
+// torch users expect. A failure writes a Flight Recorder dump, but this rank's own ending of the
+// group (messages pending at its destroy).
+void ended(PointToPointWork& work, int from, const std::exception_ptr& error, const char* op) {
+  work.set_source(from);
+  if (!error) return work.complete(nullptr);
+  bool dump = true;
+  std::exception_ptr torch_error = error;
   try {
     std::rethrow_exception(error);
   } catch (const std::invalid_argument& e) {
-    try {
-      TORCH_CHECK_VALUE(false, "hca ", op, ": ", e.what());
-    } catch (...) {
-      return std::current_exception();
-    }
+    torch_error = std::make_exception_ptr(c10::ValueError({__func__, __FILE__, __LINE__}, std::string("hca ") + op + ": " + e.what()));
   } catch (const std::exception& e) {
-    try {
-      C10_THROW_ERROR(DistBackendError, e.what());
-    } catch (...) {
-      return std::current_exception();
-    }
+    const auto* failure = dynamic_cast<const Failure*>(&e);
+    dump = !failure || failure->kind() != FailureKind::Unusable;
+    torch_error = std::make_exception_ptr(c10::DistBackendError({__func__, __FILE__, __LINE__}, e.what()));
+  } catch (...) {
   }
-  return error;
+  work.complete(torch_error, dump);
 }
 
 }  // namespace
@@ -90,8 +79,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_message(c10d::OpType type, 
                              error = std::current_exception();
                            }
                          }
-                         work->set_source(from);
-                         work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
+                         ended(*work, from, error, op);
                        }};
   if (receives) {
     mailbox_->recv(std::move(message));
@@ -135,8 +123,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_stream_message(c10d::OpType
     issue([](const CallTensors& t) { t.outputs.back().copy_(t.args.dense()[0], /*non_blocking=*/true); });
     message.ready = [call] { return call->passed_end(); };
     message.done = [work, kept, op](int from, std::exception_ptr error) {  // kept: the mailbox reads its staging
-      work->set_source(from);
-      work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
+      ended(*work, from, error, op);
     };
     mailbox_->send(std::move(message));
   } else {
@@ -151,8 +138,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHCA::post_stream_message(c10d::OpType
           error = std::current_exception();
         }
       }
-      work->set_source(from);
-      work->complete(error ? as_torch_error(error, op) : nullptr, !error || !ended_here(error));
+      ended(*work, from, error, op);
     };
     mailbox_->recv(std::move(message));
   }
