@@ -11,8 +11,8 @@
 #   bench     the benchmark on CUDA tensors (JSON + PNG); BENCH_ARGS replaces its default arguments
 #   host      the host's time per call beside ProcessGroupNCCL's: world 1, hca's all-reduce and the nccl
 #             pass-through beside stock NCCL, 8 B-64 MiB; then 2 ranks sharing the GPU, rank 1 50 ms late
-#   shared    ranks sharing the GPU: the all-reduce sweep of 2, 3 and 4 ranks beside gloo, 8 B-64 MiB (JSON each),
-#             then torch_hca.check on 2 and 3 ranks
+#   shared    ranks sharing the GPU: the plan and waits a call makes (explain), the all-reduce sweep of 2, 3 and 4
+#             ranks beside gloo, 8 B-64 MiB (JSON each), then torch_hca.check on 2 and 3 ranks
 #   kernels   hca's copy and sum-of-k kernels beside torch's copy_ and add, 1 MiB-1 GiB, float32 and bf16, one
 #             process (python -m torch_hca.bench --kernels); then the GPU tests of the kernels' vector paths
 #   perf      where a step's time goes on one shared GPU: all-reduce on 1 rank (no other process to
@@ -144,6 +144,11 @@ run_phase() {
     local rc=0 device ranks
     device=$(has_gpu && echo cuda || echo model)
     for ranks in 2 3 4; do
+      # the plan each sweep runs, and the waits on peers a call makes (each a switch between processes)
+      for numel in 1 16777216; do
+        $PYTHON -m torch_hca.explain "$ranks" --device cuda --gpus "$(printf '0,%.0s' $(seq 2 "$ranks"))0" \
+          --numels "$numel" >> "$LOGS/shared-explain-ranks$ranks.log" 2>&1 || rc=1
+      done
       bounded "$(( $(left) / (6 - ranks) ))" $PYTHON -m torch_hca.bench --device "$device" --nprocs "$ranks" -b 8 \
         -e 64M -f 8 --compare gloo --json "$OUT/shared-ranks$ranks.json" || rc=1
     done
