@@ -65,3 +65,16 @@
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;                   \
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;                 \
   HCA_OVERRIDE_GATHER_SINGLE
+
+// torch 2.15's completion hooks (Backend.hpp defines C10D_BACKEND_HAS_HOOKS): whoever registers
+// one hears of every call of the backend that ended well (flight_record.hpp). Needs `calls()`.
+#ifdef C10D_BACKEND_HAS_HOOKS
+#define HCA_OVERRIDE_COMPLETION_HOOKS                                                                                 \
+  bool supportsCompletionHooks() const override { return true; }                                                      \
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {                                       \
+    calls().flight().add_completion_hook(id, std::move(hook));                                                        \
+  }                                                                                                                   \
+  void unregisterCompletionHook(int64_t id) override { calls().flight().remove_completion_hook(id); }
+#else
+#define HCA_OVERRIDE_COMPLETION_HOOKS
+#endif

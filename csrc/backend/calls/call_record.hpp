@@ -62,6 +62,7 @@ class CallRecorder {
   // returns them as one Work (window_work.hpp) of `rank`.
   void open_window();
   c10::intrusive_ptr<c10d::Work> close_window(int rank);
+  FlightLog& flight() { return *flight_; }
 
   // Issues the call (`issue` returns its Work), counted once it is issued (and handed on:
   // no longer refused at the call, refusal.hpp);
@@ -72,7 +73,7 @@ class CallRecorder {
     mark_handed_on();
     const auto entry = flight_->scheduled(backend, global_ranks_, call.name, call.peer, call.inputs, call.outputs,
                                           std::chrono::milliseconds(timeout_ms_.load()));
-    const bool device_tensors = entry.id && on_a_device(call);  // before `issue` may move the tensors
+    const bool device_tensors = (entry.id || entry.hooked) && on_a_device(call);  // before `issue` may move them
     if (!at::hasCallbacks()) return counted(followed(entry, device_tensors, issue()));
     const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
     const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());
@@ -87,7 +88,7 @@ class CallRecorder {
   c10::intrusive_ptr<c10d::Work> counted(c10::intrusive_ptr<c10d::Work> work);
   // `work`, whose Flight Recorder entry is retired once it ends well; `device_tensors`: the call's
   // tensors are on a device (on_a_device).
-  c10::intrusive_ptr<c10d::Work> followed(const FlightLog::Ticket& entry, bool device_tensors,
+  c10::intrusive_ptr<c10d::Work> followed(FlightLog::Ticket entry, bool device_tensors,
                                           c10::intrusive_ptr<c10d::Work> work);
   static bool on_a_device(const CommsCall& call);
   static int64_t numel(const std::vector<at::Tensor>& tensors);

@@ -235,6 +235,14 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
   const int rank = backend.getRank();
   g_global_rank.store(global_ranks.empty() ? rank : static_cast<int>(global_ranks.at(rank)),
                       std::memory_order_relaxed);  // names the dump, also where torch's hook records
+#ifdef C10D_BACKEND_HAS_HOOKS
+  if (hooked_.load(std::memory_order_relaxed)) {
+    Ticket hooked;
+    hooked.hooked = true;
+    hooked.created = c10::getTime();
+    if (!group_) return hooked;
+  }
+#endif
   if (!group_) return {};
   auto& g = *group_;
   const int size = backend.getSize();
@@ -310,6 +318,19 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
 }
 
 void FlightLog::finished(const Ticket& ticket, bool on_device) {
+#ifdef C10D_BACKEND_HAS_HOOKS
+  if (ticket.hooked) {
+    std::vector<c10d::CompletionHook> hooks;
+    {
+      std::lock_guard<std::mutex> lock(hooks_mutex_);
+      for (const auto& [id, hook] : hooks_) hooks.push_back(hook);
+    }
+    c10d::CompletionHookArgs args;
+    args.completionKey = ticket.completion_key;
+    if (!on_device) args.duration_ms = static_cast<float>(c10::getTime() - ticket.created) / 1e6f;
+    for (const auto& hook : hooks) hook(args);
+  }
+#endif
   if (!group_ || !ticket.id) return;
   auto& g = *group_;
   const auto now = c10::getTime();
@@ -329,6 +350,20 @@ void FlightLog::finished(const Ticket& ticket, bool on_device) {
   if (ticket.collective_seq >= 0) g.status->lastStartedSeq = ticket.collective_seq;
   entry.retired_ = true;
 }
+
+#ifdef C10D_BACKEND_HAS_HOOKS
+void FlightLog::add_completion_hook(int64_t id, c10d::CompletionHook hook) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  hooks_[id] = std::move(hook);
+  hooked_ = true;
+}
+
+void FlightLog::remove_completion_hook(int64_t id) {
+  std::lock_guard<std::mutex> lock(hooks_mutex_);
+  hooks_.erase(id);
+  hooked_ = !hooks_.empty();
+}
+#endif
 
 std::exception_ptr with_flight_recorder_dump(std::exception_ptr error) {
   if (!error || !dumps_on_failure()) return error;

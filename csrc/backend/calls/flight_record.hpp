@@ -8,7 +8,8 @@
 // symbol table and writes entries in the recorder's own layout, from the
 // recorder's header of the torch it was built against. From torch 2.15 torch's
 // own hook records every custom backend's calls, hca's among them, in a recorder
-// of backend "hca": hca records nothing itself there, and dumps that recorder.
+// of backend "hca": hca records nothing itself there, tells the hook when a call
+// ended well (completion hooks, which retire its entry), and dumps that recorder.
 // Before torch 2.13 (whose recorder's layout this build was not checked against)
 // hca neither records nor dumps.
 #pragma once
@@ -18,6 +19,8 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,6 +48,8 @@ class FlightLog {
     size_t epoch = 0;
     int64_t created = 0;  // c10::getTime()
     int64_t collective_seq = -1;
+    bool hooked = false;          // completion hooks want to know when it ends well
+    uint64_t completion_key = 0;  // its Work's (c10d::Work::getCompletionKey), for them
   };
   FlightLog();
   ~FlightLog();
@@ -60,10 +65,27 @@ class FlightLog {
   // alike, which the analyzer compares).
   void finished(const Ticket& ticket, bool on_device);
 
+#ifdef C10D_BACKEND_HAS_HOOKS
+  // torch 2.15's completion hooks: its own Flight Recorder hook, which enters
+  // hca's calls there, retires an entry (completed, with the host's duration of
+  // a call the host ran) once hca says the call ended well, so that a call that
+  // never ends reads "scheduled" and un-retired. Run outside the table's lock.
+  void add_completion_hook(int64_t id, c10d::CompletionHook hook);
+  void remove_completion_hook(int64_t id);
+  uint64_t completion_key(const c10d::Work& work) const { return work.getCompletionKey(); }
+#else
+  uint64_t completion_key(const c10d::Work&) const { return 0; }
+#endif
+
  private:
   // The group's place in torch's recorder (flight_record.cpp); null where hca does not record.
   struct Group;
   std::unique_ptr<Group> group_;
+#ifdef C10D_BACKEND_HAS_HOOKS
+  std::mutex hooks_mutex_;
+  std::map<int64_t, c10d::CompletionHook> hooks_;
+  std::atomic<bool> hooked_{false};
+#endif
 };
 
 // `error` (a call's failure) once this process wrote torch's Flight Recorder

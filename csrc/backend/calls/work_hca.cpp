@@ -180,6 +180,13 @@ std::exception_ptr WorkHCA::run_body() {
 
 void WorkHCA::release_body() { body_ = nullptr; }
 
+float WorkHCA::getDuration() const {
+  const int64_t ns = duration_ns_.load();
+  TORCH_CHECK(ns >= 0, "hca: getDuration: only a call the host ran, once it ended well, is timed",
+              device_ ? " (this one ran on a device)" : "");
+  return static_cast<float>(ns) / 1e6f;
+}
+
 void WorkHCA::complete(std::exception_ptr error, bool dump) {
   if (error) {
     if (dump) error = with_flight_recorder_dump(error);
@@ -190,6 +197,8 @@ void WorkHCA::complete(std::exception_ptr error, bool dump) {
     if (device_) {
       device_->complete(*future_, value);
     } else {
+      duration_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - made_at_)
+                         .count();
       future_->markCompleted(value);
     }
     finish();

@@ -61,6 +61,9 @@ class WorkHCA : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   // Whether the body issues work to a device stream (the host's end is not the call's).
   bool on_device() const { return device_ != nullptr; }
+  // Milliseconds from the call to its end, for a call the host ran to its end (the Flight
+  // Recorder's duration); device work is not timed, nor a call not ended well: it throws.
+  float getDuration() const override;
   // Waits for the host body: without a timeout, runs it here if it is next in
   // its queue and the worker has not taken it (no thread hand-off), else waits
   // for the worker. For device work, the caller's current stream then waits for the
@@ -83,6 +86,8 @@ class WorkHCA : public c10d::Work {
   OwningProcess owner_;
   std::weak_ptr<WorkQueueState> queue_;  // set while queued; the queue may go first
   std::chrono::steady_clock::time_point queued_at_;
+  const std::chrono::steady_clock::time_point made_at_ = std::chrono::steady_clock::now();
+  std::atomic<int64_t> duration_ns_{-1};  // set once a host call ended well
   std::vector<at::Tensor> outputs_;
   std::function<void()> body_;
   std::shared_ptr<DeviceCompletion> device_;

@@ -142,6 +142,7 @@ class EngineBackend : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return calls_.issued(); }
   // Where this group's ranks are in the world (for profiler traces).
   CallRecorder& calls() { return calls_; }
+  HCA_OVERRIDE_COMPLETION_HOOKS
   // The coalescing manager's window, as ProcessGroupHCA's (window_work.hpp).
   void startCoalescing() override { calls_.open_window(); }
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {

@@ -159,6 +159,7 @@ class ProcessGroupHCA : public c10d::Backend {
   uint64_t getSequenceNumberForGroup() override { return calls_.issued(); }
   // Where this group's ranks are in the world (for profiler traces).
   CallRecorder& calls() { return calls_; }
+  HCA_OVERRIDE_COMPLETION_HOOKS
   // The coalescing manager batches in Python (allreduce_coalesced etc.) and
   // waits on the Work that ends the window, not on the window's own calls: it
   // stands for them all (window_work.hpp). Not declared for batch_isend_irecv
