@@ -683,8 +683,8 @@ def _waits_against_explain(rank, world):
             dist.all_reduce(t, group=group)
             issued = backend._peer_waits(cuda=False) - before
             wrong.append(mismatch(f"{algorithm} {num_packs} {numel}", t, reduce_reference(inputs, "SUM"), world))
-            said = torch_hca.explain(group=group, algorithm=algorithm, num_packs=num_packs, numels=[numel]).peer_waits
-            out.append((algorithm, num_packs, numel, issued, said[rank]))
+            plan = torch_hca.explain(group=group, algorithm=algorithm, num_packs=num_packs, numels=[numel])
+            out.append((algorithm, num_packs, numel, issued, plan.peer_waits[rank], len(plan.rounds)))
         dist.destroy_process_group(group)
     return out, [w for w in wrong if w]
 
@@ -692,11 +692,16 @@ def _waits_against_explain(rank, world):
 @pytest.mark.parametrize("world", [3, 4])
 def test_the_waits_a_call_issues_are_those_explain_counts(world):
     """Ranks sharing one model device, where every wait on a peer may cost a switch between their
-    processes: the waits each rank's stream issues for a call (none twice on the same word within
-    a call) are exactly what explain counts by running the plan's rounds dry, rank by rank."""
+    processes: the waits each rank's stream issues for a call (none that an earlier wait on the
+    group's stream covers, of this call or the one before; a slot's reuse waiting for its readers
+    alone) are exactly what explain counts by running the plan's rounds dry, rank by rank. The star
+    (reduce_to_one_device) waits the fewest: its leader once for each peer, every other rank once, in
+    each round of a staging slot."""
     envs = [{**STREAMS_ENV, "TORCH_HCA_MODEL_VISIBLE": "0"} for _ in range(world)]
     for rank, (counts, wrong) in enumerate(run_ranks(_waits_against_explain, world, env_per_rank=envs,
                                                      deadline_s=400)):
         assert wrong == [], (rank, wrong)
-        for algorithm, num_packs, numel, issued, said in counts:
+        for algorithm, num_packs, numel, issued, said, rounds in counts:
             assert issued == said and issued > 0, (rank, algorithm, num_packs, numel, issued, said)
+            if algorithm == "reduce_to_one_device":  # in each round of a staging slot
+                assert issued == rounds * (world - 1 if rank == 0 else 1), (rank, numel, rounds, issued)
