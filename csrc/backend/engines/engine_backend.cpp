@@ -247,9 +247,10 @@ void WidenedForEngine::narrow() const {
   }
 }
 
-EngineBackend::EngineBackend(int rank, int size, Engines engines)
+EngineBackend::EngineBackend(int rank, int size, std::chrono::milliseconds timeout, Engines engines)
     : c10d::Backend(rank, size), engines_(engines), described_(rank) {
   TORCH_CHECK_VALUE(engines_.cpu, "hca: a stock engine for CPU tensors is needed");
+  calls_.set_timeout(timeout);
 }
 
 EngineBackend::~EngineBackend() {

@@ -122,8 +122,9 @@ void set_engines_timeout(Engines& engines, std::chrono::milliseconds timeout);
 
 class EngineBackend : public c10d::Backend {
  public:
-  // `engines.cpu` is required: every call without tensors goes there.
-  EngineBackend(int rank, int size, Engines engines);
+  // `engines.cpu` is required: every call without tensors goes there. `timeout`: the calls'
+  // (what the Flight Recorder enters).
+  EngineBackend(int rank, int size, std::chrono::milliseconds timeout, Engines engines);
   ~EngineBackend() override;
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;

@@ -31,13 +31,12 @@ Options stage_options(std::chrono::milliseconds timeout) {
 
 NodeBackend::NodeBackend(int rank, int size, std::chrono::milliseconds timeout, PlanOptions options, Nodes nodes,
                          c10::intrusive_ptr<ProcessGroupHCA> local, std::map<int, Engines> leaders, Engines world)
-    : EngineBackend(rank, size, world),
+    : EngineBackend(rank, size, timeout, world),
       timeout_(timeout),
       options_(std::move(options)),
       nodes_(std::move(nodes)),
       local_(std::move(local)),
       leaders_(std::move(leaders)) {
-  calls_.set_timeout(timeout);
   try {
     validate_across_nodes(options_, nodes_);
   } catch (const std::invalid_argument& e) {

@@ -10,8 +10,7 @@ namespace hca {
 
 PassthroughBackend::PassthroughBackend(int rank, int size, std::chrono::milliseconds timeout, PackingOptions packing,
                                        Engines engines, const c10::intrusive_ptr<c10d::Store>& one_node_store)
-    : EngineBackend(rank, size, std::move(engines)), timeout_(timeout), packing_(packing) {
-  calls_.set_timeout(timeout);
+    : EngineBackend(rank, size, timeout, std::move(engines)), timeout_(timeout), packing_(packing) {
   if (one_node_store && size > 1) shared_ = std::make_unique<SharedAgreements>(one_node_store, rank, size, timeout);
   agreed_in_shared_memory_ = shared_ != nullptr;
 }
