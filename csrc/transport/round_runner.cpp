@@ -26,6 +26,17 @@ void for_each_span(const Pack& pack, const std::vector<TensorSpan>& tensors, siz
 
 }  // namespace
 
+RoundRunner::RoundRunner(Medium& medium, int rank, int world)
+    : medium_(medium),
+      rank_(rank),
+      world_(world),
+      slot_round_(static_cast<size_t>(medium.slots()), 0),
+      slot_readers_(static_cast<size_t>(medium.slots())) {
+  for (int peer = 0; peer < world; ++peer) {
+    if (peer != rank) every_peer_.push_back(peer);
+  }
+}
+
 struct RoundRunner::RoundState {
   const Collective& collective;
   const Round& pieces;
@@ -42,6 +53,16 @@ void RoundRunner::read_plan(const Collective& collective) {
   }
   roles_ = roles_of(*collective.plan, rank_);
   cut_ = cut_rounds(*collective.plan, medium_.slot_bytes());
+  round_readers_.assign(cut_.size(), {});
+  for (size_t i = 0; i < cut_.size(); ++i) {
+    auto& readers = round_readers_[i];
+    for (const Piece& piece : cut_[i]) {
+      const auto& more = roles_[piece.pack].readers;
+      readers.insert(readers.end(), more.begin(), more.end());
+    }
+    std::sort(readers.begin(), readers.end());
+    readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+  }
   read_plan_ = collective.plan;  // held, so that its address cannot name another plan
 }
 
@@ -70,7 +91,7 @@ void RoundRunner::run(const Collective& collective, const WaitContext& ctx, size
       reuse_slot(round, ctx);
       stage_inputs(state);
     }
-    note_readers(round, pieces);
+    note_readers(round, i);
     medium_.signal(progress_value(round, 1));
     size_t steps = 0;
     for (const Piece& piece : pieces) steps = std::max(steps, plan[piece.pack].schedule.steps.size());
@@ -92,28 +113,13 @@ uint32_t RoundRunner::slot_released_at(uint64_t round) const {
 const std::vector<int>& RoundRunner::slot_readers(uint64_t round) const {
   const uint64_t slots = static_cast<uint64_t>(medium_.slots()), last = round - slots;
   const size_t slot = static_cast<size_t>(round % slots);
-  if (slot < slot_round_.size() && slot_round_[slot] == last) return slot_readers_[slot];
+  if (slot_round_[slot] == last) return slot_readers_[slot];
   return every_peer_;  // not noted (cannot happen in order): wait for everyone
 }
 
-void RoundRunner::note_readers(uint64_t round, const Round& pieces) {
-  const size_t slots = static_cast<size_t>(medium_.slots()), slot = static_cast<size_t>(round % slots);
-  if (slot_round_.size() != slots) {
-    slot_round_.assign(slots, 0);
-    slot_readers_.assign(slots, {});
-    every_peer_.clear();
-    for (int peer = 0; peer < world_; ++peer) {
-      if (peer != rank_) every_peer_.push_back(peer);
-    }
-  }
-  auto& readers = slot_readers_[slot];
-  readers.clear();
-  for (const Piece& piece : pieces) {
-    const auto& more = roles_[piece.pack].readers;
-    readers.insert(readers.end(), more.begin(), more.end());
-  }
-  std::sort(readers.begin(), readers.end());
-  readers.erase(std::unique(readers.begin(), readers.end()), readers.end());
+void RoundRunner::note_readers(uint64_t round, size_t index) {
+  const size_t slot = static_cast<size_t>(round % static_cast<uint64_t>(medium_.slots()));
+  slot_readers_[slot] = round_readers_[index];  // reuses the slot's capacity
   slot_round_[slot] = round;
 }
 

@@ -24,7 +24,7 @@ constexpr size_t kMaxSteps = 14;  // steps_done + 1 must fit the 4 low bits
 
 class RoundRunner {
  public:
-  RoundRunner(Medium& medium, int rank, int world) : medium_(medium), rank_(rank), world_(world) {}
+  RoundRunner(Medium& medium, int rank, int world);
   // Stages the first rounds of `collective`, one by one while `waiting()` says
   // the peers are not all there yet and every peer has let go of the round's
   // slot already (never waits); returns how many, for run().
@@ -42,7 +42,8 @@ class RoundRunner {
   uint32_t slot_released_at(uint64_t round) const;
   // The peers that read this rank's slot for `round` in the round that last filled it.
   const std::vector<int>& slot_readers(uint64_t round) const;
-  void note_readers(uint64_t round, const Round& pieces);
+  // `round` is the `index`-th of the plan's rounds: its readers fill its slot.
+  void note_readers(uint64_t round, size_t index);
   void reuse_slot(uint64_t round, const WaitContext& ctx);
   bool slot_free_now(uint64_t round) const;
   void stage_inputs(const RoundState& state);
@@ -57,6 +58,7 @@ class RoundRunner {
   std::shared_ptr<const std::vector<PackPlan>> read_plan_;
   std::vector<Role> roles_;
   std::vector<Round> cut_;
+  std::vector<std::vector<int>> round_readers_;  // per round of cut_: who reads this rank's slot, ascending
   std::vector<const void*> sources_, at_span_;
   std::vector<int> source_ranks_;  // whose slots sources_ point into, in the same order
   // Per slot of the ring: the round that last filled it and who read it then.
