@@ -59,7 +59,7 @@ c10::intrusive_ptr<c10d::Work> CallRecorder::counted(c10::intrusive_ptr<c10d::Wo
 
 c10::intrusive_ptr<c10d::Work> CallRecorder::followed(FlightLog::Ticket entry, bool device_tensors,
                                                       c10::intrusive_ptr<c10d::Work> work) {
-  if ((!entry.id && !entry.hooked) || !work) return work;
+  if (!entry.awaited() || !work) return work;
   if (entry.hooked) entry.completion_key = flight_->completion_key(*work);
   // hca's own Works say whether they issued to a stream (the CPU model's do); others go by the tensors.
   const auto* own = dynamic_cast<const WorkHCA*>(work.get());

@@ -73,7 +73,7 @@ class CallRecorder {
     mark_handed_on();
     const auto entry = flight_->scheduled(backend, global_ranks_, call.name, call.peer, call.inputs, call.outputs,
                                           std::chrono::milliseconds(timeout_ms_.load()));
-    const bool device_tensors = (entry.id || entry.hooked) && on_a_device(call);  // before `issue` may move them
+    const bool device_tensors = entry.awaited() && on_a_device(call);  // before `issue` may move the tensors
     if (!at::hasCallbacks()) return counted(followed(entry, device_tensors, issue()));
     const auto seq = std::make_tuple(static_cast<int64_t>(issued_ + 1), call.peer.has_value());
     const auto name = std::make_tuple(backend.getGroupUid(), backend.getGroupDesc());

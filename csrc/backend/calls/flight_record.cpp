@@ -235,15 +235,14 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
   const int rank = backend.getRank();
   g_global_rank.store(global_ranks.empty() ? rank : static_cast<int>(global_ranks.at(rank)),
                       std::memory_order_relaxed);  // names the dump, also where torch's hook records
+  Ticket ticket;
 #ifdef C10D_BACKEND_HAS_HOOKS
-  if (hooked_.load(std::memory_order_relaxed)) {
-    Ticket hooked;
-    hooked.hooked = true;
-    hooked.created = c10::getTime();
-    if (!group_) return hooked;
-  }
+  ticket.hooked = hooked_.load(std::memory_order_relaxed);
 #endif
-  if (!group_) return {};
+  if (!group_) {
+    if (ticket.hooked) ticket.created = c10::getTime();
+    return ticket;
+  }
   auto& g = *group_;
   const int size = backend.getSize();
   const std::tuple<std::string, std::string> name{backend.getGroupUid(), backend.getGroupDesc()};
@@ -274,9 +273,11 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
     auto& dims = in ? entry.input_dims_ : entry.output_dims_;
     auto& dtypes = in ? entry.input_dtypes_ : entry.output_dtypes_;
     const auto& tensors = in ? inputs : outputs;
-    const bool stacked = (in ? inputs_listed : outputs_listed) && tensors.size() > 1 && std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
-      return t.defined() && t.sizes() == tensors[0].sizes() && t.scalar_type() == tensors[0].scalar_type();
-    });
+    const bool stacked = (in ? inputs_listed : outputs_listed) && tensors.size() > 1 &&
+                         std::all_of(tensors.begin(), tensors.end(), [&](const auto& t) {
+                           return t.defined() && t.sizes() == tensors[0].sizes() &&
+                                  t.scalar_type() == tensors[0].scalar_type();
+                         });
     if (stacked) {
       dtypes.push_back(tensors[0].scalar_type());
       dims.push_back(tensors[0].dim() + 1);
@@ -294,7 +295,8 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
   // Asked of the system once a thread (a call of its own each time costs more than the entry).
   thread_local const std::string thread_name = c10::getThreadName();
   entry.thread_name_ = thread_name;
-  Ticket ticket{std::nullopt, 0, entry.time_created_, p2p ? -1 : static_cast<int64_t>(entry.collective_seq_id_)};
+  ticket.created = entry.time_created_;
+  ticket.collective_seq = p2p ? -1 : static_cast<int64_t>(entry.collective_seq_id_);
   std::lock_guard<std::mutex> lock(g.recorder->mutex_);
   if (!g.ranks_recorded) {
     std::vector<uint64_t> ranks;
@@ -318,6 +320,7 @@ FlightLog::Ticket FlightLog::scheduled(const c10d::Backend& backend, const std::
 }
 
 void FlightLog::finished(const Ticket& ticket, bool on_device) {
+  const auto now = c10::getTime();
 #ifdef C10D_BACKEND_HAS_HOOKS
   if (ticket.hooked) {
     std::vector<c10d::CompletionHook> hooks;
@@ -327,13 +330,12 @@ void FlightLog::finished(const Ticket& ticket, bool on_device) {
     }
     c10d::CompletionHookArgs args;
     args.completionKey = ticket.completion_key;
-    if (!on_device) args.duration_ms = static_cast<float>(c10::getTime() - ticket.created) / 1e6f;
+    if (!on_device) args.duration_ms = static_cast<float>(now - ticket.created) / 1e6f;
     for (const auto& hook : hooks) hook(args);
   }
 #endif
   if (!group_ || !ticket.id) return;
   auto& g = *group_;
-  const auto now = c10::getTime();
   std::lock_guard<std::mutex> lock(g.recorder->mutex_);
   if (g.recorder->entries_.empty()) return;
   auto& entry = g.recorder->entries_.at(slot_of(*g.recorder, *ticket.id, ticket.epoch));

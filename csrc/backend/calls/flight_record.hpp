@@ -50,6 +50,8 @@ class FlightLog {
     int64_t collective_seq = -1;
     bool hooked = false;          // completion hooks want to know when it ends well
     uint64_t completion_key = 0;  // its Work's (c10d::Work::getCompletionKey), for them
+    // Whether anyone hears of its end: its entry, or the completion hooks.
+    bool awaited() const { return id.has_value() || hooked; }
   };
   FlightLog();
   ~FlightLog();

@@ -20,7 +20,8 @@ void ended(PointToPointWork& work, int from, const std::exception_ptr& error, co
   try {
     std::rethrow_exception(error);
   } catch (const std::invalid_argument& e) {
-    torch_error = std::make_exception_ptr(c10::ValueError({__func__, __FILE__, __LINE__}, std::string("hca ") + op + ": " + e.what()));
+    torch_error = std::make_exception_ptr(
+        c10::ValueError({__func__, __FILE__, __LINE__}, std::string("hca ") + op + ": " + e.what()));
   } catch (const std::exception& e) {
     const auto* failure = dynamic_cast<const Failure*>(&e);
     dump = !failure || failure->kind() != FailureKind::Unusable;
